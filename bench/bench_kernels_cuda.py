@@ -1,0 +1,244 @@
+"""Per-kernel timings of the CUDA backend at the `gpu` preset's shapes, against the roofline and,
+where torch is installed, the same operation in PyTorch on the same card.
+
+    python bench/bench_kernels_cuda.py [--batch-size 32] [--json results.json]
+
+Each figure is the median over several timed batches of GPU time per call, measured with CUDA
+events after a warm-up. A sleep kernel queued ahead of each batch lets the host queue the whole
+batch before the GPU reaches it, so launch latency stays out of the per-kernel numbers (the
+graph-replayed training step hides it the same way). Output buffers come from the arena in
+replay mode, so no allocation happens inside a timed batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import numpy as np
+from numba import cuda
+
+from nanoeuler_ops.cuda import BACKEND, cublas, runtime
+from nanoeuler_ops.cuda import adamw, add, attention, cross_entropy, embedding, linear, rmsnorm, rope, swiglu
+
+C, H, KV, D, F, V, THETA = 768, 12, 4, 64, 2048, 4096, 10000.0   # the gpu preset
+PARAMS = 116_417_280
+FP32_PEAK, TF32_PEAK = 67e12, 495e12   # Hopper SXM datasheet, dense (H100 and H200 alike)
+REPS, BATCHES = 20, 5
+SLEEP_NS = 20_000_000
+
+
+@cuda.jit
+def _sleep(ns):
+    # a single thread idles ~ns nanoseconds, so launches queued behind it wait on the GPU
+    for _ in range(ns // 1_000_000):
+        cuda.nanosleep(1_000_000)
+
+
+def time_numba(fn) -> float:
+    """Median GPU milliseconds per call of fn (which launches on the default stream)."""
+    with runtime.ARENA.recording():
+        fn()
+    cuda.synchronize()
+    times = []
+    for _ in range(BATCHES):
+        start, end = cuda.event(), cuda.event()
+        _sleep[1, 1](SLEEP_NS)
+        start.record()
+        for _ in range(REPS):
+            with runtime.ARENA.replaying():
+                fn()
+        end.record()
+        end.synchronize()
+        times.append(cuda.event_elapsed_time(start, end) / REPS)
+    return statistics.median(times)
+
+
+def time_torch(torch, fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(BATCHES):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_NS)   # cycles, ~ns at Hopper clocks: the same queue-filling role
+        start.record()
+        for _ in range(REPS):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / REPS)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Measured device-to-device copy rate, bytes read + written per second (the memory roofline)."""
+    src = cuda.device_array(1 << 28, np.float32)
+    runtime.fill(src, 1.0)
+    dst = cuda.device_array_like(src)
+    ms = time_numba(lambda: dst.copy_to_device(src))
+    return 2 * src.nbytes / (ms * 1e-3)
+
+
+def cases(B: int, rng):
+    """(op, pass, numba fn, torch fn maker, bytes moved, flops) at batch size B."""
+    N, T = B * 512, 512
+    f32 = lambda *shape: BACKEND.asarray(rng.standard_normal(shape))   # noqa: E731
+    x, x2, w_norm = f32(N, C), f32(N, C), BACKEND.asarray(1.0 + 0.1 * rng.standard_normal(C))
+    w_gate, gate, up = f32(F, C), f32(N, F), f32(N, F)
+    q, k, v = f32(B, T, H, D), f32(B, T, KV, D), f32(B, T, KV, D)
+    ids, table = BACKEND.asarray(rng.integers(0, V, N)), f32(V, C)
+    logits = f32(N, V)
+    targets_host = rng.integers(0, V, N)
+    targets_host[::10] = -1
+    targets = BACKEND.asarray(targets_host)
+    dy_nc, dy_nf, dy_nv = f32(N, C), f32(N, F), f32(N, V)
+    dq_shape = f32(B, T, H, D)
+    params, grads = f32(PARAMS), f32(PARAMS)
+    m, vv = BACKEND.asarray(0.1 * rng.standard_normal(PARAMS)), BACKEND.asarray(0.01 * rng.random(PARAMS))
+    sched = BACKEND.asarray(np.array([3e-4, 10.0]))
+    adam_attrs = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, n_decay=PARAMS - 16 * 2 * C,
+                      max_grad_norm=1.0)
+
+    _, norm_saved = rmsnorm.forward(x, w_norm, eps=1e-5)
+    _, attn_saved = attention.forward(q, k, v)
+    _, ce_saved = cross_entropy.forward(logits, targets)
+    losses_grad = BACKEND.asarray(np.full(N, 1.0 / N))
+    runtime.check_on_host = lambda *a: None   # timing: the eager host-side id checks would sync per call
+
+    nc, nf, nv = N * C * 4, N * F * 4, N * V * 4
+    attn_flops = 4 * B * H * T * T * D / 2
+    qkv_bytes = (q.nbytes + k.nbytes + v.nbytes)
+    return [
+        ("embedding", "fwd", lambda: embedding.forward(ids, table), "embedding_fwd", 2 * nc, 0),
+        ("embedding", "bwd", lambda: embedding.backward(dy_nc, (), ids, table), "embedding_bwd",
+         2 * nc + table.nbytes, 0),
+        ("rmsnorm", "fwd", lambda: rmsnorm.forward(x, w_norm, eps=1e-5), "rmsnorm_fwd", 2 * nc, 0),
+        ("rmsnorm", "bwd", lambda: rmsnorm.backward(dy_nc, norm_saved, x, w_norm, eps=1e-5), "rmsnorm_bwd",
+         3 * nc, 0),
+        ("linear C->F fp32", "fwd", lambda: linear.forward(x, w_gate), "linear_fwd", nc + nf, 2 * N * C * F),
+        ("linear C->F fp32", "bwd", lambda: linear.backward(dy_nf, (), x, w_gate), "linear_bwd", 2 * (nc + nf),
+         4 * N * C * F),
+        ("rope q", "fwd", lambda: rope.forward(q, theta=THETA), "rope_fwd", 2 * q.nbytes, 0),
+        ("attention", "fwd", lambda: attention.forward(q, k, v), "attention_fwd", 2 * qkv_bytes, attn_flops),
+        ("attention", "bwd", lambda: attention.backward(dq_shape, attn_saved, q, k, v), "attention_bwd",
+         4 * qkv_bytes, 2.5 * attn_flops),
+        ("swiglu", "fwd", lambda: swiglu.forward(gate, up), "swiglu_fwd", 3 * nf, 0),
+        ("swiglu", "bwd", lambda: swiglu.backward(dy_nf, (), gate, up), "swiglu_bwd", 5 * nf, 0),
+        ("add", "fwd", lambda: add.forward(x, x2), "add_fwd", 3 * nc, 0),
+        ("cross_entropy", "fwd", lambda: cross_entropy.forward(logits, targets), "ce_fwd", nv, 0),
+        ("cross_entropy", "bwd", lambda: cross_entropy.backward(losses_grad, ce_saved, logits, targets), "ce_bwd",
+         2 * nv, 0),
+        ("adamw", "step", lambda: adamw.forward(params, grads, m, vv, sched, **adam_attrs), "adamw", 8 * PARAMS * 4,
+         0),
+    ]
+
+
+def torch_fns(torch, B: int):
+    """The same operations in PyTorch (float32), keyed as in `cases`."""
+    import torch.nn.functional as tf
+    N, T = B * 512, 512
+    dev = "cuda"
+    r = lambda *shape, grad=False: torch.randn(*shape, device=dev, requires_grad=grad)   # noqa: E731
+    x, x2, w_norm = r(N, C, grad=True), r(N, C), r(C, grad=True)
+    w_gate = r(F, C, grad=True)
+    gate, up = r(N, F, grad=True), r(N, F, grad=True)
+    q, k, v = r(B, H, T, D, grad=True), r(B, KV, T, D, grad=True), r(B, KV, T, D, grad=True)
+    ids, table = torch.randint(0, V, (N,), device=dev), r(V, C, grad=True)
+    logits, targets = r(N, V, grad=True), torch.randint(0, V, (N,), device=dev)
+    targets[::10] = -1
+    dy_nc, dy_nf = r(N, C), r(N, F)
+    inv_freq = THETA ** (-torch.arange(0, D // 2, device=dev, dtype=torch.float64) * 2 / D)
+    angles = torch.arange(T, device=dev, dtype=torch.float64)[:, None] * inv_freq
+    cos, sin = angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
+    qr = r(B, T, H, D)
+
+    def rope_fwd():
+        a, b = qr[..., :D // 2], qr[..., D // 2:]
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+    emb = tf.embedding(ids, table)
+    norm_out = tf.rms_norm(x, (C,), w_norm, 1e-5)
+    lin_out = tf.linear(x, w_gate)
+    attn_out = tf.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    glu_out = tf.silu(gate) * up
+    ce_out = tf.cross_entropy(logits, targets, ignore_index=-1, reduction="none")
+    params = torch.nn.Parameter(torch.randn(PARAMS, device=dev))
+    params.grad = torch.randn(PARAMS, device=dev)
+    opt = torch.optim.AdamW([params], lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
+    def adamw_step():
+        torch.nn.utils.clip_grad_norm_([params], 1.0)
+        opt.step()
+
+    grad = lambda out, inputs, dout: torch.autograd.grad(out, inputs, dout, retain_graph=True)   # noqa: E731
+    return {
+        "embedding_fwd": lambda: tf.embedding(ids, table),
+        "embedding_bwd": lambda: grad(emb, [table], dy_nc),
+        "rmsnorm_fwd": lambda: tf.rms_norm(x, (C,), w_norm, 1e-5),
+        "rmsnorm_bwd": lambda: grad(norm_out, [x, w_norm], dy_nc),
+        "linear_fwd": lambda: tf.linear(x, w_gate),
+        "linear_bwd": lambda: grad(lin_out, [x, w_gate], dy_nf),
+        "rope_fwd": rope_fwd,
+        "attention_fwd": lambda: tf.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        "attention_bwd": lambda: grad(attn_out, [q, k, v], torch.ones_like(attn_out)),
+        "swiglu_fwd": lambda: tf.silu(gate) * up,
+        "swiglu_bwd": lambda: grad(glu_out, [gate, up], dy_nf),
+        "add_fwd": lambda: x + x2,
+        "ce_fwd": lambda: tf.cross_entropy(logits, targets, ignore_index=-1, reduction="none"),
+        "ce_bwd": lambda: grad(ce_out, [logits], torch.full_like(ce_out, 1.0 / N)),
+        "adamw": adamw_step,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    try:
+        import torch
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    except ImportError:
+        torch = None
+
+    name = cuda.get_current_device().name
+    name = name.decode() if isinstance(name, bytes) else name
+    bandwidth = copy_bandwidth()
+    print(f"{name}; batch {args.batch_size} x 512; cuBLAS: {cublas.uses_cublas()}; "
+          f"measured copy bandwidth {bandwidth / 1e9:.0f} GB/s; fp32 peak {FP32_PEAK / 1e12:.0f} TFLOP/s")
+    rng = np.random.default_rng(0)
+    rows = []
+    all_cases = cases(args.batch_size, rng)
+    tf32_cases = [(f"linear C->F tf32", p, fn, key + "_tf32", nbytes, flops)
+                  for (op, p, fn, key, nbytes, flops) in all_cases if op.startswith("linear")]
+    torch_ops = torch_fns(torch, args.batch_size) if torch is not None else {}
+    for op, phase, fn, key, nbytes, flops in all_cases + tf32_cases:
+        tf32 = key.endswith("_tf32")
+        cublas.ALLOW_TF32 = tf32
+        ms = time_numba(fn)
+        torch_ms = math.nan
+        if torch is not None:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch_ms = time_torch(torch, torch_ops[key.removesuffix("_tf32")])
+        seconds = ms * 1e-3
+        if flops:
+            rate, peak = flops / seconds, (TF32_PEAK if tf32 else FP32_PEAK)
+            achieved = f"{rate / 1e12:7.1f} TFLOP/s"
+        else:
+            rate, peak = nbytes / seconds, bandwidth
+            achieved = f"{rate / 1e9:7.0f} GB/s   "
+        rows.append(dict(op=op, phase=phase, ms=ms, torch_ms=torch_ms, achieved=rate, roofline_fraction=rate / peak,
+                         bytes=nbytes, flops=flops))
+        print(f"{op:<18} {phase:<4} {ms:8.3f} ms  {achieved}  {100 * rate / peak:5.1f}% of roofline  "
+              f"torch {torch_ms:8.3f} ms  torch/ours {torch_ms / ms:5.2f}", flush=True)
+    cublas.ALLOW_TF32 = False
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=name, batch_size=args.batch_size, copy_bandwidth=bandwidth, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

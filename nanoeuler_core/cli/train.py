@@ -1,0 +1,126 @@
+"""Training and sampling commands: `pretrain`, `generate`, `chat`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from nanoeuler_core import train as training
+from nanoeuler_core.model import Model, check_sampling
+
+
+def pretrain(
+    preset: str = typer.Option("small", help="model preset: small (CPU, minutes) or gpu (116M parameters)"),
+    backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
+    corpus: Optional[Path] = typer.Option(None, help="UTF-8 text file [default: the bundled Shakespeare]"),
+    tokenizer: Optional[Path] = typer.Option(None, help="tokenizer.json to use [default: train one on the corpus]"),
+    steps: Optional[int] = typer.Option(None, help="train until this step [default: 1000; with --resume: the run's own]"),
+    batch_size: int = typer.Option(8, help="sequences per step (each ctx_len tokens)"),
+    lr: Optional[float] = typer.Option(None, help="peak learning rate [default: 1e-3 small, 3e-4 otherwise]"),
+    warmup: Optional[int] = typer.Option(None, help="warm-up steps [default: 5% of --decay-steps]"),
+    decay_steps: Optional[int] = typer.Option(None, help="cosine decay horizon [default: --steps]"),
+    seed: int = typer.Option(0, help="seed of the initial weights and the batches"),
+    eval_every: int = typer.Option(100, help="validation loss every N steps"),
+    ckpt_every: int = typer.Option(250, help="checkpoint every N steps (and at the end, and on Ctrl-C)"),
+    out: Path = typer.Option(Path("runs/pretrain"), help="run directory to create"),
+    resume: Optional[Path] = typer.Option(None, help="continue the run in this directory (its settings are kept; "
+                                                      "--steps and --backend may change)"),
+    sample_prompt: str = typer.Option("\n", help="prompt of the sample printed at the end"),
+) -> None:
+    """Pretrain a model; with no arguments, the `small` preset on the bundled corpus on the CPU."""
+    log = lambda msg: typer.echo(msg, err=True)  # noqa: E731
+    if resume is not None:
+        overrides = {"backend": backend} | ({"steps": steps} if steps is not None else {})
+        run = training.resume_run(resume, overrides, log)
+    else:
+        tc = training.TrainConfig(preset=preset, backend=backend, corpus=str(corpus) if corpus else None,
+                                  tokenizer=str(tokenizer) if tokenizer else None, steps=steps or 1000,
+                                  batch_size=batch_size,
+                                  lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
+                                  ckpt_every=ckpt_every)
+        run = training.start_run(out, tc, log)
+    cfg = run.model.cfg
+    log(f"run {run.dir}: {cfg.n_params():,} parameters ({run.config.preset}), backend {run.config.backend}, "
+        f"batch {run.config.batch_size} x {cfg.ctx_len}, steps {run.optimizer.step_count} -> {run.config.steps}")
+    log(f"unigram baseline loss: {run.unigram_loss:.3f} nats (a model that ignores context)")
+    row, interrupted = training.train(run, log)
+    if interrupted:
+        raise typer.Exit(130)
+    if row:
+        log(f"done: step {row['step']}, train loss {row['loss']:.3f}, val loss {row.get('val_loss', float('nan')):.3f} "
+            f"(unigram baseline {run.unigram_loss:.3f}); run saved in {run.dir}")
+    typer.echo(f"--- sample ({sample_prompt!r}, temperature 0.8, top-k 40) ---")
+    typer.echo(sample_prompt, nl=False)
+    run.model.generate(run.tok, sample_prompt, max_new_tokens=200, temperature=0.8, top_k=40, seed=run.config.seed,
+                       on_text=_stream)
+    typer.echo("")
+
+
+def _stream(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def _load(run_dir: Path, backend: str):
+    from nanoeuler_core.tokenizer import Tokenizer
+
+    model = Model.load(run_dir, backend=backend)
+    tok = Tokenizer.load(run_dir / "tokenizer.json")
+    training.check_tokenizer(tok, model.cfg, run_dir)
+    return model, tok
+
+
+def generate(
+    run_dir: Path = typer.Argument(..., help="a run directory (from pretrain or sft)"),
+    prompt: str = typer.Argument("", help="text to continue"),
+    max_new_tokens: int = typer.Option(200, help="tokens to generate at most"),
+    temperature: float = typer.Option(0.8, help="0 = greedy"),
+    top_k: Optional[int] = typer.Option(None, help="sample among the k most likely tokens"),
+    top_p: Optional[float] = typer.Option(None, help="sample among the most likely tokens holding this probability"),
+    seed: Optional[int] = typer.Option(None, help="seed for reproducible samples"),
+    backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
+) -> None:
+    """Continue PROMPT with the model in RUN_DIR, streaming tokens as they come."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    model, tok = _load(run_dir, backend)
+    typer.echo(prompt, nl=False)
+    model.generate(tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, on_text=_stream)
+    typer.echo("")
+
+
+def chat(
+    run_dir: Path = typer.Argument(..., help="a run directory"),
+    max_new_tokens: int = typer.Option(200, help="tokens per reply at most"),
+    temperature: float = typer.Option(0.8, help="0 = greedy"),
+    top_k: Optional[int] = typer.Option(40, help="sample among the k most likely tokens"),
+    seed: Optional[int] = typer.Option(None, help="seed for reproducible replies"),
+    backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
+) -> None:
+    """A prompt loop: each line you type is continued by the model. /quit (or end of input) leaves."""
+    check_sampling(max_new_tokens, temperature, top_k, None)
+    model, tok = _load(run_dir, backend)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        typer.echo(f"nanoeuler {run_dir}: each line is continued by the model; /quit to leave", err=True)
+    turn = 0
+    while True:
+        if interactive:
+            typer.echo("> ", nl=False, err=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/quit":
+            break
+        prompt = line.rstrip("\n")
+        typer.echo(prompt, nl=False)
+        model.generate(tok, prompt, max_new_tokens, temperature, top_k, None,
+                       None if seed is None else seed + turn, on_text=_stream)
+        typer.echo("")
+        turn += 1
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(pretrain)
+    app.command()(generate)
+    app.command()(chat)

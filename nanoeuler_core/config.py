@@ -1,0 +1,91 @@
+"""Model configuration: the fields of SPEC.md section 1, the presets, and the parameter layout."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+PRESETS = {
+    "small": dict(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=344, ctx_len=128, n_mtp=4),
+    "gpu": dict(vocab_size=4096, dim=768, n_layers=16, n_heads=12, n_kv_heads=4, hidden_dim=2048, ctx_len=512, n_mtp=4),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 512
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    hidden_dim: int = 344
+    ctx_len: int = 128
+    n_mtp: int = 4
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset '{name}' (choose from: {', '.join(PRESETS)})")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config field(s): {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "ctx_len", "n_mtp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head dimension dim / n_heads = {self.head_dim} must be even for RoPE")
+        if not self.rope_theta > 0 or not self.norm_eps > 0:
+            raise ValueError("rope_theta and norm_eps must be positive")
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's name and shape (SPEC.md section 2), in model order."""
+        C, KVD, F, V = self.dim, self.n_kv_heads * self.head_dim, self.hidden_dim, self.vocab_size
+        shapes = {"tok_emb": (V, C)}
+        for i in range(self.n_layers):
+            shapes |= {
+                f"layers.{i}.attn_norm": (C,),
+                f"layers.{i}.wq": (C, C),
+                f"layers.{i}.wk": (KVD, C),
+                f"layers.{i}.wv": (KVD, C),
+                f"layers.{i}.wo": (C, C),
+                f"layers.{i}.ffn_norm": (C,),
+                f"layers.{i}.w_gate": (F, C),
+                f"layers.{i}.w_up": (F, C),
+                f"layers.{i}.w_down": (C, F),
+            }
+        shapes["norm"] = (C,)
+        shapes |= {f"heads.{j}": (V, C) for j in range(self.n_mtp)}
+        return shapes
+
+    def n_params(self) -> int:
+        total = 0
+        for shape in self.param_shapes().values():
+            size = 1
+            for s in shape:
+                size *= s
+            total += size
+        return total

@@ -1,0 +1,241 @@
+"""Registry-driven gradient checking.
+
+For every registered op and every sample it yields:
+  * the reference backward agrees with central finite differences (float64);
+  * every pair of backends agrees on the forward and the backward, within the op's `tol`.
+
+A new op or backend is checked without writing a test: `check_op` walks whatever is registered.
+The full-model check (every parameter tensor against finite differences) lives in `check_model`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+
+import numpy as np
+
+from nanoeuler_core import registry
+from nanoeuler_core.registry import Op, Sample
+
+FD_STEP = 1e-6
+FD_TOL = (1e-5, 1e-7)        # (rtol, atol) of the reference backward against finite differences
+FD_MAX_ELEMENTS = 48          # per input: larger inputs are probed at random elements
+
+
+@dataclass
+class Check:
+    """One comparison: `what` (e.g. "forward", "grad x0") between `a` and `b` on one sample."""
+
+    op: str
+    sample: str
+    a: str
+    b: str
+    what: str
+    max_abs: float
+    max_rel: float
+    ok: bool
+
+    def line(self) -> str:
+        status = "ok  " if self.ok else "FAIL"
+        return (f"{status} {self.op:<14} {self.sample:<16} {self.a + ' vs ' + self.b:<22} "
+                f"{self.what:<10} max abs {self.max_abs:.1e}  max rel {self.max_rel:.1e}")
+
+
+def _compare(op: Op, sample: Sample, a: str, b: str, what: str, x, y, rtol, atol) -> Check:
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if x.shape != y.shape:
+        return Check(op.name, sample.name, a, b, what + f" shape {x.shape} != {y.shape}", np.inf, np.inf, False)
+    diff = np.abs(x - y)
+    max_abs = float(diff.max()) if diff.size else 0.0
+    max_rel = float((diff / np.maximum(np.abs(y), 1e-30)).max()) if diff.size else 0.0
+    ok = bool(np.all(np.isfinite(x)) and np.all(diff <= atol + rtol * np.abs(y)))
+    return Check(op.name, sample.name, a, b, what, max_abs, max_rel, ok)
+
+
+def _rounded(sample: Sample) -> tuple:
+    """Inputs rounded to float32 values, so backends differ only by their arithmetic."""
+    return tuple(x.astype(np.float32).astype(np.float64) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x
+                 for x in sample.inputs)
+
+
+def run_backend(op: Op, backend_name: str, inputs: tuple, attrs: dict, dout=None):
+    """Forward (and backward with `dout`, if the op has one) on one backend; host arrays back.
+
+    Returns (outputs, grads): outputs is the forward's result followed by each in-place input
+    after the call; grads is one host array (or None) per input.
+    """
+    be = registry.backend(backend_name)
+    impl = op.impl(backend_name)
+    args = tuple(be.asarray(x) if isinstance(x, np.ndarray) else x for x in inputs)
+    out, saved = impl.forward(*args, **attrs)
+    outputs = [be.to_host(out)] + [be.to_host(args[i]) for i in op.inplace]
+    grads = None
+    if dout is not None and op.differentiable:
+        grads = impl.backward(be.asarray(dout), saved, *args, **attrs)
+        grads = [None if g is None else be.to_host(g) for g in grads]
+    return outputs, grads
+
+
+def finite_difference_check(op: Op, sample: Sample, rng: np.random.Generator) -> list[Check]:
+    """The reference backward against central differences of L = sum(out * R), in float64."""
+    inputs = [x.copy() if isinstance(x, np.ndarray) else x for x in _rounded(sample)]
+    out, saved = op.reference.forward(*inputs, **sample.attrs)
+    weights = rng.standard_normal(np.shape(out))
+    grads = op.reference.backward(weights, saved, *inputs, **sample.attrs)
+
+    def loss() -> float:
+        return float(np.sum(op.reference.forward(*inputs, **sample.attrs)[0] * weights))
+
+    checks = []
+    for i in sample.grad_inputs:
+        x = inputs[i]
+        flat = x.reshape(-1)
+        probe = np.arange(flat.size)
+        if flat.size > FD_MAX_ELEMENTS:
+            probe = rng.choice(flat.size, FD_MAX_ELEMENTS, replace=False)
+        numeric = np.empty(probe.size)
+        for j, e in enumerate(probe):
+            keep = flat[e]
+            flat[e] = keep + FD_STEP
+            up = loss()
+            flat[e] = keep - FD_STEP
+            down = loss()
+            flat[e] = keep
+            numeric[j] = (up - down) / (2 * FD_STEP)
+        analytic = np.asarray(grads[i]).reshape(-1)[probe]
+        checks.append(_compare(op, sample, "reference", "finite diff", f"grad x{i}", analytic, numeric, *FD_TOL))
+    return checks
+
+
+def backend_pair_checks(op: Op, sample: Sample, backends: list[str], rng: np.random.Generator) -> list[Check]:
+    """Forward and backward of every pair of `backends` on one sample."""
+    inputs = _rounded(sample)
+    dout = None
+    if op.differentiable:
+        out_shape = np.shape(op.reference.forward(*inputs, **sample.attrs)[0])
+        dout = rng.standard_normal(out_shape).astype(np.float32).astype(np.float64)
+    results = {name: run_backend(op, name, inputs, sample.attrs, dout) for name in backends}
+    rtol, atol = op.tol.rtol, op.tol.atol
+    checks = []
+    for a, b in combinations(backends, 2):
+        (out_a, grads_a), (out_b, grads_b) = results[a], results[b]
+        for k, (x, y) in enumerate(zip(out_a, out_b)):
+            what = "forward" if k == 0 else f"inplace x{op.inplace[k - 1]}"
+            checks.append(_compare(op, sample, a, b, what, x, y, rtol, atol))
+        for i in sample.grad_inputs if op.differentiable else ():
+            checks.append(_compare(op, sample, a, b, f"grad x{i}", grads_a[i], grads_b[i], rtol, atol))
+    return checks
+
+
+def available_backends(op: Op, only: list[str] | None = None) -> list[str]:
+    """The op's backends that can run here (a CUDA backend needs a GPU or the simulator)."""
+    names = []
+    for name in op.backend_names():
+        be = registry.backends().get(name)
+        if be is None or not be.available():
+            continue
+        if only and name not in only and name != "reference":
+            continue
+        names.append(name)
+    return names
+
+
+def check_op(op: Op, backends: list[str] | None = None, seed: int = 0) -> list[Check]:
+    """All checks of one op: finite differences on the reference, then every backend pair."""
+    rng = np.random.default_rng(seed)
+    names = available_backends(op, backends)
+    checks = []
+    for sample in op.sample_inputs(rng):
+        if op.differentiable:
+            checks += finite_difference_check(op, sample, rng)
+        checks += backend_pair_checks(op, sample, names, rng)
+    return checks
+
+
+# ------------------------------------------------------------------------------------------------
+# the whole model
+
+MODEL_FD_STEP = 1e-4
+MODEL_FD_BOUND = 2e-5         # reference (float64) analytic vs finite differences, relative to the tensor's scale
+MODEL_BACKEND_BOUND = 2e-3    # a float32 backend's gradients vs the reference's, relative to the tensor's scale
+MODEL_FD_PROBES = 6           # elements probed per parameter tensor
+
+
+def tiny_config():
+    """A model small enough for finite differences in seconds, still exercising GQA, MTP and RoPE."""
+    from nanoeuler_core.config import ModelConfig
+
+    return ModelConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=12, ctx_len=6, n_mtp=2)
+
+
+def tiny_batch(cfg, rng, B: int = 2, T: int = 5):
+    inputs = rng.integers(0, cfg.vocab_size, (B, T))
+    targets = rng.integers(0, cfg.vocab_size, (B, T))
+    targets[0, 1] = -1  # an ignored target, as SFT prompts are
+    return inputs, targets
+
+
+@dataclass
+class TensorCheck:
+    tensor: str
+    max_rel_err: float
+    bound: float
+
+    @property
+    def ok(self) -> bool:
+        return bool(np.isfinite(self.max_rel_err) and self.max_rel_err <= self.bound)
+
+    def line(self) -> str:
+        return f"{'ok  ' if self.ok else 'FAIL'} {self.tensor:<20} max rel err {self.max_rel_err:.1e}  (bound {self.bound:.0e})"
+
+
+def _scaled_error(a: np.ndarray, b: np.ndarray, scale: np.ndarray) -> float:
+    """max |a - b| relative to the largest |scale| (elementwise ratios explode near zero gradients)."""
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(scale))), 1e-12))
+
+
+def check_model_finite_differences(seed: int = 0) -> list[TensorCheck]:
+    """Every parameter tensor's analytic gradient (reference backend, float64) against central differences."""
+    from nanoeuler_core.model import Model
+
+    cfg = tiny_config()
+    rng = np.random.default_rng(seed)
+    model = Model(cfg, backend="reference", seed=seed)
+    inputs, targets = tiny_batch(cfg, rng)
+    _, grads = model.loss_and_grad(inputs, targets)
+    params = model.params  # views into the float64 parameter buffer
+    checks = []
+    for name, w in params.items():
+        flat = w.reshape(-1)
+        probe = rng.choice(flat.size, min(MODEL_FD_PROBES, flat.size), replace=False)
+        numeric = np.empty(probe.size)
+        for j, e in enumerate(probe):
+            keep = flat[e]
+            flat[e] = keep + MODEL_FD_STEP
+            up = model.loss(inputs, targets)
+            flat[e] = keep - MODEL_FD_STEP
+            down = model.loss(inputs, targets)
+            flat[e] = keep
+            numeric[j] = (up - down) / (2 * MODEL_FD_STEP)
+        checks.append(TensorCheck(name, _scaled_error(grads[name].reshape(-1)[probe], numeric, grads[name]), MODEL_FD_BOUND))
+    return checks
+
+
+def check_model_backend(backend: str, seed: int = 0) -> list[TensorCheck]:
+    """One backend's loss and every gradient tensor against the reference model on the same weights."""
+    from nanoeuler_core.model import Model
+
+    cfg = tiny_config()
+    rng = np.random.default_rng(seed)
+    reference = Model(cfg, backend="reference", seed=seed)
+    other = Model(cfg, backend=backend, seed=seed)
+    other.load_params({n: w.astype(np.float32) for n, w in reference.params.items()})
+    reference.load_params(other.params)  # both on the same float32-rounded weights
+    inputs, targets = tiny_batch(cfg, rng)
+    loss_ref, grads_ref = reference.loss_and_grad(inputs, targets)
+    loss_other, grads_other = other.loss_and_grad(inputs, targets)
+    checks = [TensorCheck("loss", abs(loss_other - loss_ref) / abs(loss_ref), MODEL_BACKEND_BOUND)]
+    checks += [TensorCheck(name, _scaled_error(grads_other[name], g, g), MODEL_BACKEND_BOUND) for name, g in grads_ref.items()]
+    return checks

@@ -1,0 +1,192 @@
+"""The op and backend registry.
+
+An op is one `Op` object: its NumPy float64 `reference` (forward and backward, written for
+clarity), `sample_inputs(rng)` that yields valid test cases, and the modules that implement it on
+each backend (`"cpu"`, `"cuda"`, ...), imported only when first used. Backends are `Backend`
+objects: the few array operations the model needs (allocate, copy to and from the host).
+
+Both are found through entry points, the built-in ones too, so a third-party package adds an op
+or a backend by declaring, in its own pyproject.toml:
+
+    [project.entry-points."nanoeuler.ops"]
+    gelu = "my_package.gelu:OP"
+
+Calling conventions, the same on every backend (arrays are the backend's own arrays):
+
+    out, saved = impl.forward(*inputs, **attrs)
+    grads = impl.backward(dout, saved, *inputs, **attrs)   # one entry per input, None if not differentiable
+
+`saved` is whatever the backward needs beyond the inputs (a tuple of arrays); the model keeps
+it in its activation cache. An op with `inplace` inputs (the optimizer) updates them and has no
+backward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+OPS_GROUP = "nanoeuler.ops"
+BACKENDS_GROUP = "nanoeuler.backends"
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One backend's implementation of an op."""
+
+    forward: Callable[..., tuple[Any, tuple]]
+    backward: Callable[..., tuple] | None = None
+
+
+@dataclass
+class Sample:
+    """One valid call of an op: positional array inputs and keyword attributes.
+
+    `grad_inputs` lists the positions of the inputs that receive a gradient (float inputs);
+    integer inputs such as token ids are never differentiated.
+    """
+
+    inputs: tuple
+    attrs: dict = field(default_factory=dict)
+    grad_inputs: tuple[int, ...] = ()
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Tol:
+    """Agreement bound between two float32-or-better backends: |a - b| <= atol + rtol * |b|."""
+
+    rtol: float = 1e-4
+    atol: float = 1e-5
+
+
+class Backend:
+    """Array operations the model needs from a backend. Subclasses set `name` and `dtype`."""
+
+    name: str = ""
+    dtype: type = np.float32
+
+    def available(self) -> bool:
+        return True
+
+    def asarray(self, host: np.ndarray, dtype=None):
+        """A backend array holding a copy of the host array (floats converted to `self.dtype`)."""
+        raise NotImplementedError
+
+    def to_host(self, arr) -> np.ndarray:
+        raise NotImplementedError
+
+    def zeros(self, shape, dtype=None):
+        raise NotImplementedError
+
+    def copy_(self, dst, src) -> None:
+        """Copy `src` (a host array or an array of this backend, same shape) into `dst`."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass
+class Op:
+    """A registered op. `backends` maps backend name -> module path providing `forward`/`backward`."""
+
+    name: str
+    summary: str
+    reference: Impl
+    sample_inputs: Callable[[np.random.Generator], Iterable[Sample]]
+    backends: dict[str, str] = field(default_factory=dict)
+    tol: Tol = Tol()
+    inplace: tuple[int, ...] = ()
+    source: str = "nanoeuler"
+    _loaded: dict[str, Impl] = field(default_factory=dict, repr=False)
+
+    @property
+    def differentiable(self) -> bool:
+        return self.reference.backward is not None
+
+    def impl(self, backend: str) -> Impl:
+        """The implementation on `backend` ("reference" included), importing it on first use."""
+        if backend == "reference":
+            return self.reference
+        if backend not in self._loaded:
+            if backend not in self.backends:
+                raise KeyError(f"op '{self.name}' has no '{backend}' implementation "
+                               f"(it has: {', '.join(self.backend_names())})")
+            module = importlib.import_module(self.backends[backend])
+            self._loaded[backend] = Impl(module.forward, getattr(module, "backward", None))
+        return self._loaded[backend]
+
+    def backend_names(self) -> list[str]:
+        return ["reference", *self.backends]
+
+
+class Registry:
+    """Name -> Op and name -> Backend, filled from entry points on first use."""
+
+    def __init__(self) -> None:
+        self._ops: dict[str, Op] = {}
+        self._backends: dict[str, Backend] = {}
+        self._loaded = False
+
+    def register_op(self, op: Op, source: str = "") -> None:
+        if op.name in self._ops:
+            raise ValueError(f"op '{op.name}' is already registered by {self._ops[op.name].source}")
+        op.source = source or op.source
+        self._ops[op.name] = op
+
+    def register_backend(self, backend: Backend) -> None:
+        if backend.name in self._backends:
+            raise ValueError(f"backend '{backend.name}' is already registered")
+        self._backends[backend.name] = backend
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        for group, register in ((BACKENDS_GROUP, self.register_backend), (OPS_GROUP, self._register_entry_op)):
+            for ep in sorted(importlib.metadata.entry_points(group=group), key=lambda e: e.name):
+                package = ep.dist.name if ep.dist is not None else ep.value.split(":")[0]
+                try:
+                    obj = ep.load()
+                    register(obj) if group == BACKENDS_GROUP else register(obj, package)
+                except Exception as exc:  # a broken plugin must not take the engine down
+                    warnings.warn(f"nanoeuler: skipped {group} entry point '{ep.name}' from package "
+                                  f"'{package}': {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+
+    def _register_entry_op(self, op: Op, package: str) -> None:
+        if not isinstance(op, Op):
+            raise TypeError(f"entry point must name an nanoeuler_core.registry.Op, got {type(op).__name__}")
+        self.register_op(op, package)
+
+    def ops(self) -> dict[str, Op]:
+        self._load()
+        return dict(self._ops)
+
+    def op(self, name: str) -> Op:
+        self._load()
+        if name not in self._ops:
+            raise KeyError(f"no op named '{name}' (registered: {', '.join(sorted(self._ops))})")
+        return self._ops[name]
+
+    def backends(self) -> dict[str, Backend]:
+        self._load()
+        return dict(self._backends)
+
+    def backend(self, name: str) -> Backend:
+        self._load()
+        if name not in self._backends:
+            raise ValueError(f"unknown backend '{name}' (choose from: {', '.join(self._backends)})")
+        return self._backends[name]
+
+
+REGISTRY = Registry()
+op = REGISTRY.op
+ops = REGISTRY.ops
+backend = REGISTRY.backend
+backends = REGISTRY.backends

@@ -1,0 +1,294 @@
+"""Pretraining: the loop, validation, checkpoints and exact resume (SPEC.md sections 3 and 4).
+
+A run directory holds config.json (model + training config), tokenizer.json, model.safetensors,
+optimizer.safetensors and metrics.jsonl. Checkpoints are committed as one unit
+(`checkpoint.commit_files`), every `ckpt_every` steps, at the end and on Ctrl-C. Batches depend
+only on (seed, step), so a resumed run continues exactly as an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import orjson
+
+from nanoeuler_core import checkpoint
+from nanoeuler_core.checkpoint import CheckpointError
+from nanoeuler_core.config import PRESETS, ModelConfig
+from nanoeuler_core.data import BatchLoader, check_length, default_corpus, load_tokens
+from nanoeuler_core.model import Model
+from nanoeuler_core.optim import AdamW, lr_at
+
+CHECKPOINT_FILES = ["optimizer.safetensors", "model.safetensors"]  # commit order: see checkpoint.recover
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "small"
+    backend: str = "cpu"
+    corpus: str | None = None           # default: the bundled Shakespeare text
+    tokenizer: str | None = None        # default: trained on the corpus with the preset's vocab_size
+    steps: int = 1000
+    batch_size: int = 8
+    lr: float | None = None             # default: 1e-3 for `small`, 3e-4 otherwise (SPEC.md section 3)
+    warmup: int | None = None           # default: 5% of decay_steps
+    decay_steps: int | None = None      # cosine horizon; default: steps
+    final_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    ckpt_every: int = 250
+    val_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset '{self.preset}' (choose from: {', '.join(PRESETS)})")
+        if self.lr is None:
+            self.lr = 1e-3 if self.preset == "small" else 3e-4
+        if self.decay_steps is None:
+            self.decay_steps = self.steps
+        if self.warmup is None:
+            self.warmup = max(1, self.decay_steps // 20)
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every", "decay_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be non-negative, got {self.seed}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class Run:
+    """Everything a training run holds in memory."""
+
+    dir: Path
+    config: TrainConfig
+    model: Model
+    optimizer: AdamW
+    tok: object
+    train_loader: BatchLoader
+    val_loader: BatchLoader | None
+    unigram_loss: float
+    elapsed: float = 0.0  # training seconds before this process (carried across resumes)
+
+
+def unigram_loss(ids: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats) of predicting every token from the corpus's token frequencies."""
+    p = np.bincount(ids, minlength=vocab_size).astype(np.float64)
+    p = p[p > 0] / p.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _tokenizer(tc: TrainConfig, corpus: Path, vocab_size: int, log: Callable[[str], None]):
+    from nanoeuler_core.tokenizer import Tokenizer
+
+    if tc.tokenizer:
+        return Tokenizer.load(tc.tokenizer)
+    log(f"training a {vocab_size}-entry tokenizer on {corpus.name} (pass --tokenizer to reuse one)")
+    try:
+        text = corpus.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read corpus {corpus}: {exc}") from None
+    return Tokenizer.train(text, vocab_size)
+
+
+def _data(run_dir: Path, tc: TrainConfig, tok, ctx_len: int) -> tuple[BatchLoader, BatchLoader | None, float]:
+    corpus = Path(tc.corpus) if tc.corpus else default_corpus()
+    splits = load_tokens(corpus, tok, val_fraction=tc.val_fraction)
+    check_length(splits, ctx_len)
+    train = BatchLoader(splits.train, tc.batch_size, ctx_len, tc.seed)
+    val = BatchLoader(splits.val, tc.batch_size, ctx_len, tc.seed + 1) if len(splits.val) > ctx_len else None
+    return train, val, unigram_loss(splits.train, tok.vocab_size)
+
+
+def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print) -> Run:
+    """A fresh run in `run_dir` (which must not already hold one)."""
+    run_dir = Path(run_dir)
+    if (run_dir / "config.json").exists():
+        raise ValueError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or choose another --out")
+    corpus = Path(tc.corpus) if tc.corpus else default_corpus()
+    if not corpus.is_file():
+        raise ValueError(f"corpus {corpus} not found")
+    tok = _tokenizer(tc, corpus, PRESETS[tc.preset]["vocab_size"], log)
+    cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size)
+    train, val, unigram = _data(run_dir, tc, tok, cfg.ctx_len)
+    model = Model(cfg, backend=tc.backend, seed=tc.seed)
+    optimizer = AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
+                      max_grad_norm=tc.grad_clip)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(run_dir / "tokenizer.json")
+    model.save(run_dir, training=asdict(tc))
+    (run_dir / "metrics.jsonl").write_bytes(b"")
+    return Run(run_dir, tc, model, optimizer, tok, train, val, unigram)
+
+
+def resume_run(run_dir: Path, overrides: dict, log: Callable[[str], None] = print) -> Run:
+    """The run in `run_dir`, from its last complete checkpoint; `overrides` replace training settings."""
+    from nanoeuler_core.tokenizer import Tokenizer
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run directory {run_dir} does not exist")
+    checkpoint.recover(run_dir, CHECKPOINT_FILES)
+    saved = checkpoint.read_json(run_dir / "config.json")
+    tc = TrainConfig.from_dict({**saved.get("training", {}), **overrides})
+    model = Model.load(run_dir, backend=tc.backend)
+    tok = Tokenizer.load(run_dir / "tokenizer.json")
+    check_tokenizer(tok, model.cfg, run_dir)
+    optimizer = AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
+                      max_grad_norm=tc.grad_clip)
+    if (run_dir / "optimizer.safetensors").exists():
+        tensors, meta = checkpoint.load_tensors(run_dir / "optimizer.safetensors")
+        _, model_meta = checkpoint.load_tensors(run_dir / "model.safetensors")
+        if meta.get("step") != model_meta.get("step", "0"):
+            raise CheckpointError(f"{run_dir}: model (step {model_meta.get('step')}) and optimizer (step {meta.get('step')}) "
+                                  f"checkpoints disagree")
+        try:
+            optimizer.load_state(tensors, meta)
+        except ValueError as exc:
+            raise CheckpointError(f"{run_dir / 'optimizer.safetensors'}: {exc}") from None
+    train, val, unigram = _data(run_dir, tc, tok, model.cfg.ctx_len)
+    elapsed = _truncate_metrics(run_dir / "metrics.jsonl", optimizer.step_count)
+    log(f"resuming {run_dir} at step {optimizer.step_count}")
+    return Run(run_dir, tc, model, optimizer, tok, train, val, unigram, elapsed)
+
+
+def check_tokenizer(tok, cfg: ModelConfig, run_dir: Path) -> None:
+    if tok.vocab_size != cfg.vocab_size:
+        raise CheckpointError(f"the model in {run_dir} has vocab_size {cfg.vocab_size} but the tokenizer has "
+                              f"{tok.vocab_size} entries: use the tokenizer.json saved with that run")
+
+
+def _truncate_metrics(path: Path, step: int) -> float:
+    """Drop metric lines past `step` (written after the last checkpoint); return the training time so far."""
+    if not path.exists():
+        return 0.0
+    kept, elapsed = [], 0.0
+    for line in path.read_bytes().splitlines():
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if row.get("step", 0) <= step:
+            kept.append(line)
+            elapsed = row.get("time", elapsed)
+    checkpoint.atomic_write(path, b"".join(line + b"\n" for line in kept))
+    return elapsed
+
+
+def save_checkpoint(run: Run) -> None:
+    """Commit model and optimizer state at the optimizer's current step."""
+    meta = {"step": str(run.optimizer.step_count), "seed": str(run.config.seed)}
+    tensors, opt_meta = run.optimizer.state()
+    checkpoint.commit_files(run.dir, [
+        ("optimizer.safetensors", checkpoint.tensors_bytes(tensors, {**opt_meta, **meta})),
+        ("model.safetensors", checkpoint.tensors_bytes(run.model.params, meta)),
+    ])
+
+
+def evaluate(run: Run) -> float:
+    """Mean validation loss over the same `eval_batches` batches every time."""
+    if run.val_loader is None:
+        return float("nan")
+    losses = [run.model.loss(*run.val_loader.batch(i)) for i in range(run.config.eval_batches)]
+    return float(np.mean(losses))
+
+
+class Progress:
+    """One status line: redrawn in place on a terminal, printed every few percent otherwise."""
+
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.stream = total, stream
+        self.tty = stream.isatty()
+        self.every = max(1, total // 20)
+
+    def update(self, step: int, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K" + text)
+            self.stream.flush()
+        elif step % self.every == 0 or step == self.total:
+            self.stream.write(text + "\n")
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def _eta(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
+    """Train from the run's current step to `config.steps`; returns the last metrics row and
+    whether Ctrl-C stopped it.
+
+    Ctrl-C lets the current step finish, saves a checkpoint and returns; a second Ctrl-C stops at once.
+    """
+    tc, model, opt = run.config, run.model, run.optimizer
+    tokens_per_step = tc.batch_size * model.cfg.ctx_len
+    progress = Progress(tc.steps)
+    row: dict = {}
+    val_loss = float("nan")
+    start, first_step = time.perf_counter(), opt.step_count
+    interrupted = False
+
+    def on_sigint(signum, frame):
+        nonlocal interrupted
+        if interrupted:
+            raise KeyboardInterrupt
+        interrupted = True
+
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signals only work there
+    previous_handler = signal.signal(signal.SIGINT, on_sigint) if in_main_thread else None
+    try:
+        with open(run.dir / "metrics.jsonl", "ab") as metrics:
+            while opt.step_count < tc.steps and not interrupted:
+                step = opt.step_count + 1
+                t0 = time.perf_counter()
+                loss = model._loss_and_backward(*run.train_loader.batch(step))
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss became {loss} at step {step}: lower --lr or check the data")
+                lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)
+                grad_norm = opt.step(lr)
+                dt = time.perf_counter() - t0
+                row = {"step": step, "loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
+                       "tokens_per_s": round(tokens_per_step / dt, 1),
+                       "time": round(run.elapsed + time.perf_counter() - start, 3)}
+                if step % tc.eval_every == 0 or step == tc.steps:
+                    val_loss = evaluate(run)
+                    row["val_loss"] = round(val_loss, 5)
+                metrics.write(orjson.dumps(row) + b"\n")
+                metrics.flush()
+                rate = (time.perf_counter() - start) / (step - first_step)
+                progress.update(step, f"step {step}/{tc.steps} | loss {loss:.3f} | val {val_loss:.3f} | "
+                                      f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(rate * (tc.steps - step))} left")
+                if step % tc.ckpt_every == 0 or step == tc.steps or interrupted:
+                    save_checkpoint(run)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous_handler)
+        progress.close()
+    if interrupted:
+        log(f"interrupted: checkpoint at step {opt.step_count} saved in {run.dir}; continue with --resume {run.dir}")
+    return row, interrupted

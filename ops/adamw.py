@@ -1,0 +1,77 @@
+"""AdamW step over the flat parameter buffer, with global gradient-norm clipping.
+
+Shapes: params, grads, m, v (P,); sched (2,) = [lr, step] -> grad_norm (1,); saved ().
+params, m and v are updated in place. sched lives in an array, not in the attributes, so a
+captured CUDA graph replays with a new learning rate and step.
+
+    norm = sqrt(sum_i grads[i]^2)                              (returned, before clipping)
+    scale = min(1, max_grad_norm / (norm + 1e-6)) if max_grad_norm > 0 else 1
+    g = scale * grads
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g^2
+    mhat = m / (1 - beta1^step),  vhat = v / (1 - beta2^step)
+    params[i] -= lr * weight_decay * params[i]                 (only i < n_decay: decoupled decay)
+    params -= lr * mhat / (sqrt(vhat) + eps)
+
+The model lays out its buffer with every decayed matrix first, so decay is one index range.
+There is no backward: this is the optimizer.
+"""
+
+import numpy as np
+
+from nanoeuler_core.registry import Impl, Op, Sample, Tol
+
+CLIP_EPS = 1e-6
+
+
+def check_buffers(params, grads, m, v, sched, n_decay):
+    """Raise ValueError unless the buffers are one flat length P, sched is [lr, step] and
+    0 <= n_decay <= P (every backend calls this)."""
+    if params.ndim != 1 or not params.shape == grads.shape == m.shape == v.shape:
+        raise ValueError(f"adamw: params, grads, m and v must be flat buffers of one length, got shapes "
+                         f"{params.shape}, {grads.shape}, {m.shape}, {v.shape}")
+    if sched.shape != (2,):
+        raise ValueError(f"adamw: sched must be [lr, step], got shape {sched.shape}")
+    if not 0 <= n_decay <= params.shape[0]:
+        raise ValueError(f"adamw: n_decay must lie in [0, {params.shape[0]}], got {n_decay}")
+
+
+def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm):
+    check_buffers(params, grads, m, v, sched, n_decay)
+    lr, step = sched
+    norm = np.sqrt(np.sum(grads * grads))
+    scale = min(1.0, max_grad_norm / (norm + CLIP_EPS)) if max_grad_norm > 0 else 1.0
+    g = scale * grads
+    m[:] = beta1 * m + (1 - beta1) * g
+    v[:] = beta2 * v + (1 - beta2) * g * g
+    mhat = m / (1 - beta1 ** step)
+    vhat = v / (1 - beta2 ** step)
+    params[:n_decay] -= lr * weight_decay * params[:n_decay]
+    params -= lr * mhat / (np.sqrt(vhat) + eps)
+    return np.array([norm]), ()
+
+
+def sample_inputs(rng):
+    # (P, n_decay, step, max_grad_norm): clipping on (norm well above 1) and off (0 = never,
+    # or a bound above the norm), decay over part of the buffer, none of it, and all of it.
+    for size, n_decay, step, max_grad_norm in ((10, 6, 1, 1.0), (300, 157, 7, 0.0), (77, 0, 3, 100.0),
+                                               (1000, 1000, 12, 0.5)):
+        params = rng.standard_normal(size)
+        grads = rng.standard_normal(size)
+        m = 0.1 * rng.standard_normal(size)
+        v = 0.01 * rng.random(size)
+        sched = np.array([1e-2, float(step)])
+        attrs = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1,
+                 "n_decay": n_decay, "max_grad_norm": max_grad_norm}
+        yield Sample((params, grads, m, v, sched), attrs, name=f"P{size}_decay{n_decay}_step{step}")
+
+
+OP = Op(
+    name="adamw",
+    summary="AdamW step with decoupled weight decay and global gradient-norm clipping (in place)",
+    reference=Impl(forward),
+    sample_inputs=sample_inputs,
+    backends={"cpu": "nanoeuler_ops.cpu.adamw", "cuda": "nanoeuler_ops.cuda.adamw"},
+    tol=Tol(rtol=1e-4, atol=1e-5),
+    inplace=(0, 2, 3),
+)

@@ -1,0 +1,41 @@
+"""Elementwise sum of two arrays of the same shape (any rank): residual connections and
+gradient accumulation.
+
+Shapes: a, b (...) -> y (...) = a + b; saved ().
+Backward: da = db = dy. Both gradients are the same array `dy`, not copies: callers read them and
+must not write into one.
+"""
+
+from nanoeuler_core.registry import Impl, Op, Sample, Tol
+
+
+def check_same_shape(a, b):
+    """Raise ValueError unless a and b have one shape (no broadcasting: the backward assumes none)."""
+    if a.shape != b.shape:
+        raise ValueError(f"add needs two arrays of the same shape, got {a.shape} and {b.shape}")
+
+
+def forward(a, b):
+    check_same_shape(a, b)
+    return a + b, ()
+
+
+def backward(dy, saved, a, b):
+    return dy, dy
+
+
+def sample_inputs(rng):
+    for shape in ((1,), (7, 13), (2, 5, 3, 7)):
+        a = rng.standard_normal(shape)
+        b = rng.standard_normal(shape)
+        yield Sample((a, b), grad_inputs=(0, 1), name="x".join(map(str, shape)))
+
+
+OP = Op(
+    name="add",
+    summary="Elementwise sum of two same-shape arrays (residuals, gradient accumulation)",
+    reference=Impl(forward, backward),
+    sample_inputs=sample_inputs,
+    backends={"cpu": "nanoeuler_ops.cpu.add", "cuda": "nanoeuler_ops.cuda.add"},
+    tol=Tol(rtol=1e-6, atol=1e-6),
+)

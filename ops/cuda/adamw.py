@@ -1,0 +1,80 @@
+"""AdamW with global gradient-norm clipping on the GPU. See nanoeuler_ops/adamw.py for the math.
+
+Three launches and no host synchronisation, so a captured CUDA graph replays the whole step:
+  1. each block sums the squares of its share of the gradients (float64) into partial[block];
+  2. one block adds the partials and writes the norm to device memory;
+  3. one thread per parameter reads the norm and sched = [lr, step] from device memory, clips
+     and updates params, m and v in place.
+Partials are summed in a fixed order: the norm is the same on every run.
+"""
+
+import math
+
+import numpy as np
+from numba import cuda, float32, float64
+
+from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda.runtime import block_sum
+
+THREADS = 256
+MAX_PARTIALS = 1024
+CLIP_EPS = 1e-6
+
+
+@cuda.jit
+def _sum_squares(grads, partial):
+    # grads (P,) -> partial (blocks,): each block's sum of squares, grid-stride over grads
+    total = float64(0.0)
+    for i in range(cuda.grid(1), grads.shape[0], cuda.gridsize(1)):
+        g = float64(grads[i])
+        total += g * g
+    total = block_sum(total)
+    if cuda.threadIdx.x == 0:
+        partial[cuda.blockIdx.x] = total
+
+
+@cuda.jit
+def _norm(partial, norm):
+    # partial (blocks,) -> norm (1,) = sqrt(sum of partials); a single block
+    total = float64(0.0)
+    for i in range(cuda.threadIdx.x, partial.shape[0], cuda.blockDim.x):
+        total += partial[i]
+    total = block_sum(total)
+    if cuda.threadIdx.x == 0:
+        norm[0] = math.sqrt(total)
+
+
+@cuda.jit
+def _update(params, grads, m, v, sched, norm, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm):
+    # params, grads, m, v (P,), sched (2,) = [lr, step], norm (1,) -> params, m, v updated in place
+    i = cuda.grid(1)
+    if i < params.shape[0]:
+        lr = sched[0]
+        step = sched[1]
+        scale = float32(1.0)
+        if max_grad_norm > 0:
+            scale = min(float32(1.0), max_grad_norm / (norm[0] + float32(CLIP_EPS)))
+        g = grads[i] * scale
+        mi = beta1 * m[i] + (float32(1.0) - beta1) * g
+        vi = beta2 * v[i] + (float32(1.0) - beta2) * g * g
+        m[i] = mi
+        v[i] = vi
+        mhat = mi / (float32(1.0) - beta1 ** step)
+        vhat = vi / (float32(1.0) - beta2 ** step)
+        p = params[i]
+        if i < n_decay:
+            p -= lr * weight_decay * p
+        params[i] = p - lr * mhat / (math.sqrt(vhat) + eps)
+
+
+def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm):
+    size = params.shape[0]
+    blocks = min(MAX_PARTIALS, runtime.blocks_for(size, THREADS))
+    partial = runtime.empty((blocks,), np.float64)
+    norm = runtime.empty((1,), params.dtype)
+    runtime.launch(_sum_squares, blocks, THREADS, grads, partial)
+    runtime.launch(_norm, 1, THREADS, partial, norm)
+    runtime.launch(_update, runtime.blocks_for(size, THREADS), THREADS, params, grads, m, v, sched, norm,
+                   float32(beta1), float32(beta2), float32(eps), float32(weight_decay), n_decay,
+                   float32(max_grad_norm))
+    return norm, ()

@@ -1,0 +1,90 @@
+"""Row-major float32 matrix products on Numba device arrays: cuBLAS through the nvmath-python
+bindings, or a Numba shared-memory tiled kernel where nvmath is absent and under the simulator.
+
+cuBLAS is column-major. A row-major (r, c) buffer read column-major is its transpose, so the
+row-major product out = op(a) @ op(b) is the column-major out^T = op(b)^T op(a)^T: call gemm
+with b first, and each operand's transpose flag unchanged.
+"""
+
+from functools import cache
+
+import numpy as np
+from numba import cuda, float32
+
+from nanoeuler_ops.cuda import runtime
+
+ALLOW_TF32 = False   # True: TF32 tensor cores (~8x faster on Hopper, ~3e-4 relative error)
+TILE = 16            # the fallback kernel's output tile (TILE x TILE threads per block)
+
+_ONE = np.array(1.0, np.float32)    # alpha and beta live on the host (cuBLAS's default pointer mode)
+_ZERO = np.array(0.0, np.float32)
+
+
+@cache
+def _nvmath_cublas():
+    """The nvmath cuBLAS bindings, or None (simulator, or nvmath not installed)."""
+    if runtime.SIMULATOR:
+        return None
+    try:
+        from nvmath.bindings import cublas
+    except ImportError:
+        return None
+    return cublas
+
+
+@cache
+def handle_for(stream_handle: int) -> int:
+    """The cuBLAS handle bound to a stream, created on first use (call it before capturing a graph
+    on that stream: creating a handle allocates)."""
+    cublas = _nvmath_cublas()
+    handle = cublas.create()
+    cublas.set_stream(handle, stream_handle)
+    return handle
+
+
+def uses_cublas() -> bool:
+    """Whether matmul runs on cuBLAS here (else on the Numba fallback kernel)."""
+    return _nvmath_cublas() is not None
+
+
+@cuda.jit
+def _matmul_tiled(a, b, out, trans_a, trans_b):
+    # op(a) (M, K), op(b) (K, N) -> out (M, N), op = transpose where the flag is set;
+    # one TILE x TILE tile of out per block, K walked in TILE steps through shared memory
+    a_tile = cuda.shared.array((TILE, TILE), float32)
+    b_tile = cuda.shared.array((TILE, TILE), float32)
+    M, N = out.shape
+    K = a.shape[0] if trans_a else a.shape[1]
+    tx = cuda.threadIdx.x
+    ty = cuda.threadIdx.y
+    row = cuda.blockIdx.y * TILE + ty
+    col = cuda.blockIdx.x * TILE + tx
+    acc = float32(0.0)
+    for k0 in range(0, K, TILE):
+        ka = k0 + tx
+        kb = k0 + ty
+        a_tile[ty, tx] = (a[ka, row] if trans_a else a[row, ka]) if row < M and ka < K else float32(0.0)
+        b_tile[ty, tx] = (b[col, kb] if trans_b else b[kb, col]) if col < N and kb < K else float32(0.0)
+        cuda.syncthreads()
+        for kk in range(TILE):
+            acc += a_tile[ty, kk] * b_tile[kk, tx]
+        cuda.syncthreads()
+    if row < M and col < N:
+        out[row, col] = acc
+
+
+def matmul(a, b, out, trans_a: bool = False, trans_b: bool = False) -> None:
+    """out (M, N) = op(a) @ op(b) for contiguous row-major float32 device arrays."""
+    M, N = out.shape
+    K = a.shape[0] if trans_a else a.shape[1]
+    cublas = _nvmath_cublas()
+    if cublas is None:
+        blocks = (runtime.blocks_for(N, TILE), runtime.blocks_for(M, TILE))
+        runtime.launch(_matmul_tiled, blocks, (TILE, TILE), a, b, out, trans_a, trans_b)
+        return
+    compute = cublas.ComputeType.COMPUTE_32F_FAST_TF32 if ALLOW_TF32 else cublas.ComputeType.COMPUTE_32F
+    op = {False: cublas.Operation.N, True: cublas.Operation.T}
+    f32 = 0   # cudaDataType CUDA_R_32F
+    cublas.gemm_ex(handle_for(runtime.stream_handle()), op[trans_b], op[trans_a], N, M, K, _ONE.ctypes.data,
+                   b.device_ctypes_pointer.value, f32, b.shape[1], a.device_ctypes_pointer.value, f32, a.shape[1],
+                   _ZERO.ctypes.data, out.device_ctypes_pointer.value, f32, N, compute, cublas.GemmAlgo.DEFAULT)

@@ -1,0 +1,20 @@
+"""Linear layer on the GPU: three matrix products (cublas.matmul). See nanoeuler_ops/linear.py."""
+
+from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda.cublas import matmul
+
+
+def forward(x, w):
+    # x (N, C), w (O, C) -> y (N, O) = x @ w.T
+    y = runtime.empty((x.shape[0], w.shape[0]), x.dtype)
+    matmul(x, w, y, trans_b=True)
+    return y, ()
+
+
+def backward(dy, saved, x, w):
+    # dy (N, O) -> dx (N, C) = dy @ w, dw (O, C) = dy.T @ x
+    dx = runtime.empty(x.shape, x.dtype)
+    dw = runtime.empty(w.shape, w.dtype)
+    matmul(dy, w, dx)
+    matmul(dy, x, dw, trans_a=True)
+    return dx, dw

@@ -1,0 +1,222 @@
+"""What every CUDA kernel module shares: the stream kernels launch on, the allocator that hands
+out output buffers, and warp/block reductions that also run under Numba's CUDA simulator.
+
+Streams and capture. Every op launches on `runtime.stream()` (the default stream unless a
+caller wraps its work in `on_stream(s)`). A CUDA graph is captured by running the ops inside
+`on_stream(graph_builder, capturing=True)`: kernels then go to the builder, cuBLAS calls to its
+stream, and the host-side input checks that would synchronise are skipped.
+
+Allocation. A captured graph bakes in the addresses of every buffer it touches, so replaying it
+must find the same buffers. `ARENA` hands out buffers in call order: inside `ARENA.recording()`
+each request is allocated and remembered; inside `ARENA.replaying()` the same requests, made in
+the same order, get the remembered buffers back. Outside both, each request is a fresh
+allocation (the eager path).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import numba
+import numpy as np
+from numba import cuda, float64
+
+SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
+WARP = 32
+FULL_MASK = 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------- streams
+
+class _Launch:
+    stream = 0            # a numba Stream, a cuda.core GraphBuilder, or 0 (the default stream)
+    capturing = False
+
+
+def stream():
+    """The stream (or graph builder) kernels launch on now."""
+    return _Launch.stream
+
+
+def stream_handle() -> int:
+    """The raw CUstream handle of `stream()`, for libraries such as cuBLAS (0 = default stream)."""
+    s = _Launch.stream
+    if s == 0:
+        return 0
+    if hasattr(s, "begin_building"):   # cuda.core GraphBuilder: its capture stream
+        return int(s.stream.handle)
+    return int(s)
+
+
+def capturing() -> bool:
+    """True while a CUDA graph is being captured: no host copies or synchronisation allowed."""
+    return _Launch.capturing
+
+
+def check_on_host(check, arr, *args) -> None:
+    """Run a host-side input check (e.g. ids within the vocabulary) on a copy of `arr`, except
+    while capturing, where the copy would synchronise; kernels then guard their indexing instead."""
+    if not _Launch.capturing:
+        check(arr.copy_to_host(), *args)
+
+
+@contextmanager
+def on_stream(s, capturing: bool = False):
+    """Launch every op inside the block on `s` (set `capturing` when `s` is a graph builder)."""
+    saved = (_Launch.stream, _Launch.capturing)
+    _Launch.stream, _Launch.capturing = s, capturing
+    try:
+        yield
+    finally:
+        _Launch.stream, _Launch.capturing = saved
+
+
+def launch(kernel, blocks, threads, *args, shared_bytes=0):
+    """kernel[blocks, threads](*args) on the current stream, with `shared_bytes` of dynamic shared memory."""
+    kernel[blocks, threads, _Launch.stream, shared_bytes](*args)
+
+
+def blocks_for(n: int, threads: int) -> int:
+    """Blocks of `threads` threads that cover n items (at least one, so empty inputs still launch)."""
+    return max(1, math.ceil(n / threads))
+
+
+# ---------------------------------------------------------------- allocation
+
+class Arena:
+    """Output buffers in call order, so a captured CUDA graph replays on the same memory."""
+
+    def __init__(self) -> None:
+        self._buffers: list = []
+        self._mode = "eager"
+        self._next = 0
+
+    @contextmanager
+    def recording(self):
+        """Allocate as usual and remember each buffer (forgetting any earlier recording)."""
+        self._buffers, self._mode = [], "record"
+        try:
+            yield
+        finally:
+            self._mode = "eager"
+
+    @contextmanager
+    def replaying(self):
+        """Hand back the recorded buffers, in the order they were recorded."""
+        self._mode, self._next = "replay", 0
+        try:
+            yield
+        finally:
+            self._mode = "eager"
+
+    def empty(self, shape, dtype=np.float32):
+        """An uninitialised device array of `shape` and `dtype`."""
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        dtype = np.dtype(dtype)
+        if self._mode == "replay":
+            if self._next >= len(self._buffers):
+                raise RuntimeError(f"replay asked for buffer {self._next + 1} of {len(self._buffers)} recorded: "
+                                   f"the replayed code must allocate exactly as the recorded code did")
+            buf = self._buffers[self._next]
+            if buf.shape != shape or buf.dtype != dtype:
+                raise RuntimeError(f"replay buffer {self._next} was recorded as {buf.shape} {buf.dtype}, "
+                                   f"now asked for {shape} {dtype}: the replayed code must allocate as recorded")
+            self._next += 1
+            return buf
+        buf = cuda.device_array(shape, dtype)
+        if self._mode == "record":
+            self._buffers.append(buf)
+        return buf
+
+    def zeros(self, shape, dtype=np.float32):
+        """A device array of zeros, filled by a kernel on the current stream (capturable)."""
+        buf = self.empty(shape, dtype)
+        fill(buf, 0)
+        return buf
+
+
+ARENA = Arena()
+empty = ARENA.empty
+zeros = ARENA.zeros
+
+
+@cuda.jit
+def _fill(flat, value):
+    # flat (n,) <- value
+    i = cuda.grid(1)
+    if i < flat.shape[0]:
+        flat[i] = value
+
+
+def fill(arr, value) -> None:
+    """Set every element of a contiguous device array to `value`, on the current stream."""
+    flat = arr.reshape(arr.size)
+    launch(_fill, blocks_for(arr.size, 256), 256, flat, arr.dtype.type(value))
+
+
+# ---------------------------------------------------------------- reductions
+# Every thread of the block must call these (they synchronise under the simulator, and the
+# block versions always do): threads with nothing to add pass 0 (or -inf for a max).
+
+@cuda.jit(device=True, inline=True)
+def _warp_sum_shuffle(x):
+    offset = WARP // 2
+    while offset > 0:
+        x += cuda.shfl_xor_sync(FULL_MASK, x, offset)
+        offset //= 2
+    return x
+
+
+@cuda.jit(device=True, inline=True)
+def _warp_max_shuffle(x):
+    offset = WARP // 2
+    while offset > 0:
+        x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, offset))
+        offset //= 2
+    return x
+
+
+@cuda.jit(device=True)
+def _warp_reduce_simulated(x, take_max):
+    # The simulator has no shuffles: lanes exchange through shared memory (one slot per thread).
+    slots = cuda.shared.array(1024, float64)
+    tid = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+    cuda.syncthreads()
+    slots[tid] = x
+    cuda.syncthreads()
+    first = tid - tid % WARP
+    last = min(first + WARP, cuda.blockDim.x * cuda.blockDim.y * cuda.blockDim.z)
+    total = slots[first]
+    for i in range(first + 1, last):
+        total = max(total, slots[i]) if take_max else total + slots[i]
+    cuda.syncthreads()
+    return type(x)(total)
+
+
+if SIMULATOR:
+    def warp_sum(x):
+        """Sum of x over the 32 lanes of the warp, returned to every lane."""
+        return _warp_reduce_simulated(x, False)
+
+    def warp_max(x):
+        """Max of x over the 32 lanes of the warp, returned to every lane."""
+        return _warp_reduce_simulated(x, True)
+else:
+    warp_sum, warp_max = _warp_sum_shuffle, _warp_max_shuffle
+
+
+@cuda.jit(device=True)
+def block_sum(x):
+    """Sum of x over the whole (1-D) block in float64, returned to every thread."""
+    per_warp = cuda.shared.array(32, float64)
+    lane = cuda.threadIdx.x % WARP
+    warp = cuda.threadIdx.x // WARP
+    x = warp_sum(x)
+    if lane == 0:
+        per_warp[warp] = x
+    cuda.syncthreads()
+    x = per_warp[lane] if lane < (cuda.blockDim.x + WARP - 1) // WARP else 0.0
+    x = warp_sum(x)
+    cuda.syncthreads()   # per_warp may be reused by the next call
+    return x

@@ -1,0 +1,46 @@
+"""Token embedding: each id picks one row of the table.
+
+Shapes: ids (N,) int64 in [0, V), table (V, C) -> out (N, C), out[n] = table[ids[n]]; saved ().
+Backward: dtable[v] = sum of dout[n] over the n with ids[n] == v (a repeated id adds up; rows of
+unused ids are 0). The ids get no gradient.
+"""
+
+import numpy as np
+
+from nanoeuler_core.registry import Impl, Op, Sample, Tol
+
+
+def check_ids(ids, vocab_size):
+    """Raise ValueError for ids outside [0, V): they would read or write outside the table."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got ids from {ids.min()} to {ids.max()}: "
+                         f"encode the data with the tokenizer the model was built for")
+
+
+def forward(ids, table):
+    check_ids(ids, table.shape[0])
+    return table[ids], ()
+
+
+def backward(dout, saved, ids, table):
+    dtable = np.zeros_like(table)
+    np.add.at(dtable, ids, dout)
+    return None, dtable
+
+
+def sample_inputs(rng):
+    # (N, V, C): a single id; ids repeated many times over a small table; odd sizes, unused rows.
+    for n, v, c in ((1, 3, 1), (12, 4, 5), (37, 29, 19)):
+        ids = rng.integers(0, v, size=n, dtype=np.int64)
+        table = rng.standard_normal((v, c))
+        yield Sample((ids, table), grad_inputs=(1,), name=f"N{n}_V{v}_C{c}")
+
+
+OP = Op(
+    name="embedding",
+    summary="Token embedding lookup (rows of a table by id)",
+    reference=Impl(forward, backward),
+    sample_inputs=sample_inputs,
+    backends={"cpu": "nanoeuler_ops.cpu.embedding", "cuda": "nanoeuler_ops.cuda.embedding"},
+    tol=Tol(rtol=1e-5, atol=1e-6),
+)

@@ -1,0 +1,42 @@
+"""RMSNorm over the last axis: y = x / sqrt(mean(x^2) + eps) * w.
+
+Shapes: x (N, C), w (C,) -> y (N, C); saved rstd (N,) = 1 / sqrt(mean(x^2) + eps).
+Backward, with xhat = x * rstd:
+    dw = sum_n dy * xhat
+    dx = rstd * (dy * w - xhat * mean(dy * w * xhat))
+"""
+
+import numpy as np
+
+from nanoeuler_core.registry import Impl, Op, Sample, Tol
+
+
+def forward(x, w, *, eps):
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps)
+    return x * rstd[:, None] * w, (rstd,)
+
+
+def backward(dy, saved, x, w, *, eps):
+    (rstd,) = saved
+    xhat = x * rstd[:, None]
+    dw = np.sum(dy * xhat, axis=0)
+    dxhat = dy * w
+    dx = rstd[:, None] * (dxhat - xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True))
+    return dx, dw
+
+
+def sample_inputs(rng):
+    for n, c in ((1, 4), (7, 16), (33, 96)):
+        x = rng.standard_normal((n, c))
+        w = 1.0 + 0.1 * rng.standard_normal(c)
+        yield Sample((x, w), {"eps": 1e-5}, grad_inputs=(0, 1), name=f"N{n}_C{c}")
+
+
+OP = Op(
+    name="rmsnorm",
+    summary="RMSNorm over the last axis with a learned scale",
+    reference=Impl(forward, backward),
+    sample_inputs=sample_inputs,
+    backends={"cpu": "nanoeuler_ops.cpu.rmsnorm", "cuda": "nanoeuler_ops.cuda.rmsnorm"},
+    tol=Tol(rtol=1e-4, atol=1e-5),
+)

@@ -1,0 +1,138 @@
+"""The CUDA kernels against their CPU twins at the `gpu` preset's sizes, on a real GPU only
+(the simulator covers small shapes through tests/test_ops.py). Agreement is measured as
+||cuda - cpu|| / ||cpu|| per output, float32 accumulations in different orders on each side."""
+
+import numba
+import numpy as np
+import pytest
+from numba import cuda
+
+from nanoeuler_core import registry
+from nanoeuler_core.gradcheck import run_backend
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(bool(numba.config.ENABLE_CUDASIM) or not cuda.is_available(),
+                                 reason="needs a real CUDA GPU")]
+
+B, T, C, H, KV, D, F, V = 4, 512, 768, 12, 4, 64, 2048, 4096   # the gpu preset, batch 4
+N = B * T
+REL_TOL = 2e-5
+
+
+def _inputs(name, rng):
+    """(inputs, attrs) of one op at model sizes."""
+    normal = rng.standard_normal
+    if name == "embedding":
+        return (rng.integers(0, V, N), 0.02 * normal((V, C))), {}
+    if name == "rmsnorm":
+        return (normal((N, C)), 1.0 + 0.1 * normal(C)), {"eps": 1e-5}
+    if name == "linear":
+        return (normal((N, C)), 0.02 * normal((F, C))), {}
+    if name == "rope":
+        return (normal((B, T, H, D)),), {"theta": 10000.0, "start_pos": 0}
+    if name == "attention":
+        return (normal((B, T, H, D)), normal((B, T, KV, D)), normal((B, T, KV, D))), {}
+    if name == "swiglu":
+        return (2.0 * normal((N, F)), normal((N, F))), {}
+    if name == "add":
+        return (normal((N, C)), normal((N, C))), {}
+    if name == "cross_entropy":
+        targets = rng.integers(0, V, N)
+        targets[rng.choice(N, N // 10, replace=False)] = -1
+        return (3.0 * normal((N, V)), targets), {}
+    if name == "adamw":
+        P = 3_000_001
+        attrs = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "n_decay": 2_000_000,
+                 "max_grad_norm": 1.0}
+        return (normal(P), normal(P), 0.1 * normal(P), 0.01 * rng.random(P), np.array([3e-4, 5.0])), attrs
+    raise KeyError(name)
+
+
+def _rel_err(x, y):
+    return float(np.linalg.norm(np.asarray(x, np.float64) - y) / max(np.linalg.norm(y), 1e-30))
+
+
+def _compare_backends(name, inputs, attrs, rng):
+    op = registry.op(name)
+    inputs = tuple(x.astype(np.float32) if x.dtype.kind == "f" else x for x in inputs)
+    dout = None
+    if op.differentiable:
+        dout = rng.standard_normal(op.impl("cpu").forward(*inputs, **attrs)[0].shape).astype(np.float32)
+    cpu_out, cpu_grads = run_backend(op, "cpu", inputs, attrs, dout)
+    gpu_out, gpu_grads = run_backend(op, "cuda", inputs, attrs, dout)
+    errors = {f"out{i}": _rel_err(g, c) for i, (g, c) in enumerate(zip(gpu_out, cpu_out))}
+    for i, (g, c) in enumerate(zip(gpu_grads or (), cpu_grads or ())):
+        if c is not None:
+            errors[f"grad{i}"] = _rel_err(g, c)
+    return errors
+
+
+@pytest.mark.parametrize("name", ["embedding", "rmsnorm", "linear", "rope", "attention", "swiglu", "add",
+                                  "cross_entropy", "adamw"])
+def test_cuda_matches_cpu_at_model_size(name):
+    rng = np.random.default_rng(0)
+    inputs, attrs = _inputs(name, rng)
+    errors = _compare_backends(name, inputs, attrs, rng)
+    assert all(np.isfinite(e) and e < REL_TOL for e in errors.values()), f"{name}: {errors}"
+
+
+def test_attention_decode_with_kv_cache():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 3, H, D))
+    k, v = rng.standard_normal((2, 2, 300, KV, D))
+    errors = _compare_backends("attention", (q, k, v), {}, rng)
+    assert all(e < REL_TOL for e in errors.values()), errors
+
+
+def test_linear_tf32_within_its_bound():
+    from nanoeuler_ops.cuda import cublas
+    if not cublas.uses_cublas():
+        pytest.skip("cuBLAS (nvmath-python) not installed")
+    rng = np.random.default_rng(2)
+    inputs, attrs = _inputs("linear", rng)
+    cublas.ALLOW_TF32 = True
+    try:
+        errors = _compare_backends("linear", inputs, attrs, rng)
+    finally:
+        cublas.ALLOW_TF32 = False
+    assert all(e < 2e-3 for e in errors.values()), errors
+
+
+def test_graph_replay_matches_eager():
+    """A captured CUDA graph of a few ops replays on the arena's buffers and tracks new inputs."""
+    from cuda.core import Device
+
+    from nanoeuler_ops.cuda import BACKEND, cublas, runtime
+    from nanoeuler_ops.cuda import linear, rmsnorm, swiglu
+
+    device = Device()
+    device.set_current()
+    rng = np.random.default_rng(3)
+    x = BACKEND.asarray(rng.standard_normal((N, C)))
+    norm_w = BACKEND.asarray(1.0 + 0.1 * rng.standard_normal(C))
+    w_gate, w_up = (BACKEND.asarray(0.02 * rng.standard_normal((F, C))) for _ in range(2))
+
+    def step():
+        h, _ = rmsnorm.forward(x, norm_w, eps=1e-5)
+        y, _ = swiglu.forward(linear.forward(h, w_gate)[0], linear.forward(h, w_up)[0])
+        return y
+
+    with runtime.ARENA.recording():
+        recorded = step()
+    builder = device.create_graph_builder()
+    if cublas.uses_cublas():
+        cublas.handle_for(int(builder.stream.handle))
+    builder.begin_building()
+    with runtime.on_stream(builder, capturing=True), runtime.ARENA.replaying():
+        captured = step()
+    graph = builder.end_building().complete()
+    assert captured is recorded
+
+    new_x = rng.standard_normal((N, C)).astype(np.float32)
+    x.copy_to_device(new_x)
+    stream = device.create_stream()
+    graph.launch(stream)
+    stream.sync()
+    replayed = captured.copy_to_host()
+    eager = step().copy_to_host()
+    assert np.array_equal(replayed, eager)

@@ -1,0 +1,174 @@
+"""The model: presets, config validation, gradients (finite differences and backend parity),
+files, the KV cache and sampling."""
+
+import numpy as np
+import pytest
+
+from nanoeuler_core import Model, ModelConfig, registry
+from nanoeuler_core.checkpoint import CheckpointError
+from nanoeuler_core.gradcheck import check_model_backend, check_model_finite_differences, tiny_batch, tiny_config
+from nanoeuler_core.model import sample_token
+
+MODEL_BACKENDS = [b for b, be in registry.backends().items() if b != "reference" and be.available()]
+
+
+def test_preset_parameter_counts():
+    assert ModelConfig.preset("small").n_params() == 1_053_824
+    assert ModelConfig.preset("gpu").n_params() == 116_417_280
+    assert Model(ModelConfig.preset("small")).n_params == 1_053_824
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(dim=130, n_heads=4), "divisible by n_heads"),
+    (dict(n_heads=4, n_kv_heads=3), "divisible by n_kv_heads"),
+    (dict(dim=12, n_heads=4, n_kv_heads=2), "must be even"),
+    (dict(n_layers=0), "positive integer"),
+])
+def test_invalid_config(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**fields)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'tiny'"):
+        ModelConfig.preset("tiny")
+
+
+def test_bad_inputs_raise_value_error():
+    cfg = tiny_config()
+    model = Model(cfg, backend="reference")
+    with pytest.raises(ValueError, match="token ids must be in"):
+        model.forward(np.array([[0, cfg.vocab_size]]))
+    with pytest.raises(ValueError, match="ctx_len"):
+        model.forward(np.zeros((1, cfg.ctx_len + 1), dtype=np.int64))
+    with pytest.raises(ValueError, match="targets"):
+        model.loss_and_grad(np.zeros((1, 3), dtype=np.int64), np.zeros((1, 4), dtype=np.int64))
+    params = model.params
+    params["norm"] = np.ones(cfg.dim + 1)
+    with pytest.raises(ValueError, match="'norm' has shape"):
+        model.load_params(params)
+    del params["norm"]
+    with pytest.raises(ValueError, match="missing"):
+        model.load_params(params)
+
+
+def test_named_views_share_one_buffer():
+    model = Model(tiny_config(), backend="cpu")
+    assert sum(p.size for p in model.params.values()) == model.n_params == model.flat.size
+    model.params["layers.1.wq"][0, 0] = 123.0  # a view: writes reach the flat buffer
+    assert 123.0 in model.flat
+    # weight decay covers the matrices, laid out first
+    decayed = [n for n, (off, s) in model.layout.items() if off < model.n_decay]
+    assert all(len(model.layout[n][1]) == 2 for n in decayed)
+    assert len(decayed) == sum(len(s) == 2 for s in model.cfg.param_shapes().values())
+
+
+def test_init_statistics():
+    cfg = ModelConfig.preset("small")
+    p = Model(cfg, backend="cpu", seed=3).params
+    assert abs(p["layers.0.wq"].std() - 0.02) < 1e-3
+    assert abs(p["layers.0.wo"].std() - 0.02 / np.sqrt(2 * cfg.n_layers)) < 1e-3
+    assert np.all(p["layers.2.ffn_norm"] == 1.0)
+    assert np.array_equal(Model(cfg, seed=3).params["heads.1"], p["heads.1"])
+
+
+def test_gradients_match_finite_differences():
+    checks = check_model_finite_differences(seed=0)
+    assert len(checks) == len(tiny_config().param_shapes())
+    assert all(c.ok for c in checks), "\n".join(c.line() for c in checks)
+
+
+@pytest.mark.parametrize("backend", MODEL_BACKENDS)
+def test_backend_gradients_match_reference(backend):
+    checks = check_model_backend(backend, seed=1)
+    assert all(c.ok for c in checks), "\n".join(c.line() for c in checks)
+
+
+def test_ignored_targets_give_no_gradient():
+    cfg = tiny_config()
+    model = Model(cfg, backend="reference")
+    inputs, _ = tiny_batch(cfg, np.random.default_rng(0))
+    loss, grads = model.loss_and_grad(inputs, np.full(inputs.shape, -1))
+    assert loss == 0.0
+    assert all(np.all(g == 0) for g in grads.values())
+
+
+def test_forward_logits_are_head_zero():
+    cfg = tiny_config()
+    model = Model(cfg, backend="reference", seed=2)
+    inputs, _ = tiny_batch(cfg, np.random.default_rng(1))
+    logits = model.forward(inputs)
+    assert logits.shape == (*inputs.shape, cfg.vocab_size)
+    # the loss of head 0 alone, from those logits, is the first head's term
+    targets = np.roll(inputs, -1, axis=1)
+    lse = np.log(np.exp(logits).sum(-1))
+    head0 = np.mean(lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0])
+    single = Model(ModelConfig(**{**cfg.to_dict(), "n_mtp": 1}), backend="reference")
+    single.load_params({n: w for n, w in model.params.items() if not n.startswith("heads.") or n == "heads.0"})
+    assert single.loss(inputs, targets) == pytest.approx(head0, rel=1e-10)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = Model(tiny_config(), backend="cpu", seed=5)
+    model.save(tmp_path / "run")
+    again = Model.load(tmp_path / "run", backend="cpu")
+    assert again.cfg == model.cfg
+    for name, w in model.params.items():
+        assert np.array_equal(again.params[name], w)
+
+
+def test_load_reports_bad_run_directories(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Model.load(tmp_path / "nope")
+    Model(tiny_config(), backend="cpu").save(tmp_path / "run")
+    weights = tmp_path / "run" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="not a valid safetensors file"):
+        Model.load(tmp_path / "run")
+    (tmp_path / "run" / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not readable JSON"):
+        Model.load(tmp_path / "run")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_kv_cache_matches_full_forward(backend):
+    cfg = tiny_config()
+    model = Model(cfg, backend=backend, seed=4)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, cfg.ctx_len)
+    full = model.forward(ids[None])[0]
+    kv = model.new_kv_cache()
+    steps = [model.next_logits(ids[:3], kv, 0)] + [model.next_logits(ids[t:t + 1], kv, t) for t in range(3, len(ids))]
+    tol = 1e-10 if backend == "reference" else 1e-4
+    np.testing.assert_allclose(steps[0], full[2], atol=tol)
+    np.testing.assert_allclose(np.array(steps[1:]), full[3:], atol=tol)
+
+
+def test_sample_token_filters():
+    rng = np.random.default_rng(0)
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    assert sample_token(logits, 0.0, None, None, rng) == 0
+    assert {sample_token(logits, 1.0, 2, None, rng) for _ in range(200)} == {0, 1}
+    assert {sample_token(logits, 1.0, None, 0.7, rng) for _ in range(200)} == {0, 1}
+    assert {sample_token(logits, 1.0, None, 0.5, rng) for _ in range(50)} == {0}
+    assert {sample_token(logits, 1.0, None, None, rng) for _ in range(500)} == {0, 1, 2, 3}
+
+
+def test_matches_pytorch_where_installed():
+    torch = pytest.importorskip("torch")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from torch_model import TorchModel
+
+    cfg = tiny_config()
+    model = Model(cfg, backend="reference", seed=7)
+    model.load_params({n: w.astype(np.float32) for n, w in model.params.items()})  # the values torch will hold
+    inputs, targets = tiny_batch(cfg, np.random.default_rng(3))
+    loss, grads = model.loss_and_grad(inputs, targets)
+    peer = TorchModel(cfg).load(model.params).double()
+    peer_loss = peer.loss(torch.tensor(inputs), torch.tensor(targets))
+    peer_loss.backward()
+    assert loss == pytest.approx(peer_loss.item(), rel=1e-5)
+    for name, g in grads.items():
+        np.testing.assert_allclose(g, peer.w(name).grad.numpy(), atol=1e-5 * np.abs(g).max() + 1e-12)
