@@ -38,11 +38,11 @@ def worker_nanoeuler(args) -> dict:
     model = Model(cfg, backend=args.backend, seed=0)
     inputs, targets = batch(cfg, args.batch_size)
     for _ in range(args.warmup):
-        model._loss_and_backward(inputs, targets)
+        model.loss_and_backward(inputs, targets)
     times = []
     for _ in range(args.iters):
         t = time.perf_counter()
-        model._loss_and_backward(inputs, targets)
+        model.loss_and_backward(inputs, targets)
         model.backend.synchronize()
         times.append(time.perf_counter() - t)
     return {"median_s": statistics.median(times)}
@@ -77,7 +77,7 @@ def start_time(cache_dir: str) -> float:
             "import numpy as np\n"
             "m = Model(ModelConfig.preset('small'))\n"
             "x = np.zeros((2, 128), dtype=np.int64) + 7\n"
-            "m._loss_and_backward(x, x)\n"
+            "m.loss_and_backward(x, x)\n"
             "print(time.perf_counter() - t)\n")
     env = {**os.environ, "NUMBA_CACHE_DIR": cache_dir}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -211,60 +211,97 @@ class Model:
             raise ValueError(f"targets must be -1 (ignored) or in [0, {self.cfg.vocab_size})")
         return targets.astype(np.int64)
 
-    def _heads_loss(self, h_final, targets: np.ndarray, backward: bool):
-        """Mean over heads of each head's mean cross-entropy over its valid targets.
+    def _heads(self, h_final, head_targets: np.ndarray, weights: np.ndarray, backward: bool):
+        """Per-row cross-entropy of each head j against head_targets[j] (K, N); with `backward`,
+        the gradient of sum(weights * losses) is written for the heads and returned as dh_final (N, C).
 
-        With `backward`, also writes the heads' gradients and returns dh_final (N, C).
-        A head with no valid target (T <= j) contributes nothing.
+        Heads whose weights are all zero are skipped (their gradient is zero). Returns the host
+        losses (K, N), zero where skipped or ignored.
         """
-        cfg, f, be = self.cfg, self.ops, self.backend
-        head_targets = self.head_targets(targets).reshape(cfg.n_mtp, -1)
-        N = head_targets.shape[1]
-        counts = (head_targets >= 0).sum(axis=1)
-        n_active = max(1, int((counts > 0).sum()))
-        loss, dh_final = 0.0, None
-        for j in range(cfg.n_mtp):
+        f, be = self.ops, self.backend
+        K, N = head_targets.shape
+        losses = np.zeros((K, N))
+        dh_final = None
+        for j in range(K):
             head, dhead = self.weights[f"heads.{j}"], self.grads[f"heads.{j}"]
-            if counts[j] == 0:
+            if not weights[j].any():
                 if backward:
                     be.copy_(dhead, np.zeros(dhead.shape, dtype=be.dtype))
                 continue
             t_j = be.asarray(head_targets[j])
             logits, _ = f.linear.forward(h_final, head)
-            losses, ce_saved = f.cross_entropy.forward(logits, t_j)
-            loss += float(be.to_host(losses).sum()) / counts[j] / n_active
+            losses_j, ce_saved = f.cross_entropy.forward(logits, t_j)
+            losses[j] = be.to_host(losses_j)
             if not backward:
                 continue
-            dlosses = be.asarray(np.full(N, 1.0 / (counts[j] * n_active)))
-            dlogits, _ = f.cross_entropy.backward(dlosses, ce_saved, logits, t_j)
+            dlogits, _ = f.cross_entropy.backward(be.asarray(weights[j]), ce_saved, logits, t_j)
             dh_j, dhead_j = f.linear.backward(dlogits, (), h_final, head)
             be.copy_(dhead, dhead_j)
             if dh_final is None:
                 dh_final = dh_j
             else:
                 dh_final, _ = f.add.forward(dh_final, dh_j)
-        if backward and dh_final is None:  # every target ignored: zero gradient everywhere
+        if backward and dh_final is None:  # every weight zero: zero gradient everywhere
             dh_final = be.zeros(h_final.shape)
-        return loss, dh_final
+        return losses, dh_final
+
+    def _mtp_weights(self, head_targets: np.ndarray) -> np.ndarray:
+        """Row weights (K, N) that make sum(weights * losses) the MTP loss: the mean over heads of
+        each head's mean over its valid targets; heads without any valid target do not count."""
+        valid = head_targets >= 0
+        counts = valid.sum(axis=1, keepdims=True)
+        n_active = max(1, int((counts > 0).sum()))
+        return valid / np.maximum(counts, 1) / n_active
+
+    def _backward_from(self, ids: np.ndarray, head_targets: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Forward, then the gradient of sum(weights * per-row losses) into `grad_flat`; returns the losses (K, N)."""
+        B, T = ids.shape
+        h_final, caches, (x_final, rstd_final, ids_dev) = self._forward(ids)
+        losses, dh_final = self._heads(h_final, head_targets, weights, backward=True)
+        dx, dnorm = self.ops.rmsnorm.backward(dh_final, (rstd_final,), x_final, self.weights["norm"], eps=self.cfg.norm_eps)
+        self.backend.copy_(self.grads["norm"], dnorm)
+        self._backward_blocks(dx, caches, ids_dev, B, T)
+        return losses
 
     def loss(self, inputs, targets) -> float:
         """The training loss (SPEC.md section 1) without gradients, e.g. for validation."""
         ids = self._check_inputs(inputs)
-        targets = self._check_targets(targets, ids)
+        head_targets = self.head_targets(self._check_targets(targets, ids)).reshape(self.cfg.n_mtp, -1)
+        weights = self._mtp_weights(head_targets)
         h_final, _, _ = self._forward(ids)
-        return self._heads_loss(h_final, targets, backward=False)[0]
+        return float((weights * self._heads(h_final, head_targets, weights, backward=False)[0]).sum())
 
-    def _loss_and_backward(self, inputs, targets) -> float:
-        """The loss; fills `self.grad_flat` with its gradient."""
+    def loss_and_backward(self, inputs, targets) -> float:
+        """The training loss; fills the gradient buffer `grad_flat` (and the `grads` views) without host copies."""
+        ids = self._check_inputs(inputs)
+        head_targets = self.head_targets(self._check_targets(targets, ids)).reshape(self.cfg.n_mtp, -1)
+        weights = self._mtp_weights(head_targets)
+        return float((weights * self._backward_from(ids, head_targets, weights)).sum())
+
+    def token_logprobs(self, inputs, targets) -> np.ndarray:
+        """log p(targets[b, t] | inputs[b, :t + 1]) from head 0, (B, T) float64; 0 where the target is -1."""
         ids = self._check_inputs(inputs)
         targets = self._check_targets(targets, ids)
-        B, T = ids.shape
-        h_final, caches, (x_final, rstd_final, ids_dev) = self._forward(ids)
-        loss, dh_final = self._heads_loss(h_final, targets, backward=True)
-        dx, dnorm = self.ops.rmsnorm.backward(dh_final, (rstd_final,), x_final, self.weights["norm"], eps=self.cfg.norm_eps)
-        self.backend.copy_(self.grads["norm"], dnorm)
-        self._backward_blocks(dx, caches, ids_dev, B, T)
-        return loss
+        h_final, _, _ = self._forward(ids)
+        weights = np.zeros((1, ids.size))
+        weights[0] = targets.reshape(-1) >= 0
+        return -self._heads(h_final, targets.reshape(1, -1), weights, backward=False)[0][0].reshape(ids.shape)
+
+    def logprob_backward(self, inputs, targets, weights) -> np.ndarray:
+        """Fill `grad_flat` with the gradient of sum(weights * token_logprobs(inputs, targets)), weights (B, T).
+
+        The building block of objectives on sequence log-probabilities (DPO). Returns the log-probs.
+        """
+        ids = self._check_inputs(inputs)
+        targets = self._check_targets(targets, ids)
+        weights = np.asarray(weights, dtype=np.float64)
+        if weights.shape != ids.shape:
+            raise ValueError(f"weights shape {weights.shape} must equal inputs shape {ids.shape}")
+        head_targets = np.full((self.cfg.n_mtp, ids.size), -1, dtype=np.int64)
+        head_targets[0] = targets.reshape(-1)
+        head_weights = np.zeros(head_targets.shape)
+        head_weights[0] = -weights.reshape(-1) * (targets.reshape(-1) >= 0)  # log p = -cross-entropy
+        return -self._backward_from(ids, head_targets, head_weights)[0].reshape(ids.shape)
 
     def _backward_blocks(self, dx, caches: list[BlockCache], ids_dev, B: int, T: int) -> None:
         """Walk the blocks in reverse from dx (N, C), the gradient at the last block's output, to tok_emb."""
@@ -299,7 +336,7 @@ class Model:
 
     def loss_and_grad(self, inputs, targets) -> tuple[float, dict[str, np.ndarray]]:
         """Loss and gradients (name -> host array) for int (B, T) inputs and targets (-1 = ignore)."""
-        loss = self._loss_and_backward(inputs, targets)
+        loss = self.loss_and_backward(inputs, targets)
         return loss, {name: np.array(self.backend.to_host(g)) for name, g in self.grads.items()}
 
     # ----------------------------------------------------------------------------------------

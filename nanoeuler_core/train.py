@@ -143,17 +143,12 @@ def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print
 
 def resume_run(run_dir: Path, overrides: dict, log: Callable[[str], None] = print) -> Run:
     """The run in `run_dir`, from its last complete checkpoint; `overrides` replace training settings."""
-    from nanoeuler_core.tokenizer import Tokenizer
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist")
-    checkpoint.recover(run_dir, CHECKPOINT_FILES)
     saved = checkpoint.read_json(run_dir / "config.json")
     tc = TrainConfig.from_dict({**saved.get("training", {}), **overrides})
-    model = Model.load(run_dir, backend=tc.backend)
-    tok = Tokenizer.load(run_dir / "tokenizer.json")
-    check_tokenizer(tok, model.cfg, run_dir)
+    model, tok = load_model(run_dir, tc.backend)
     optimizer = AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
                       max_grad_norm=tc.grad_clip)
     if (run_dir / "optimizer.safetensors").exists():
@@ -170,6 +165,18 @@ def resume_run(run_dir: Path, overrides: dict, log: Callable[[str], None] = prin
     elapsed = _truncate_metrics(run_dir / "metrics.jsonl", optimizer.step_count)
     log(f"resuming {run_dir} at step {optimizer.step_count}")
     return Run(run_dir, tc, model, optimizer, tok, train, val, unigram, elapsed)
+
+
+def load_model(run_dir: Path, backend: str = "cpu"):
+    """The model and tokenizer saved in a run directory, checked to belong together."""
+    from nanoeuler_core.tokenizer import Tokenizer
+
+    run_dir = Path(run_dir)
+    checkpoint.recover(run_dir, CHECKPOINT_FILES)
+    model = Model.load(run_dir, backend=backend)
+    tok = Tokenizer.load(run_dir / "tokenizer.json")
+    check_tokenizer(tok, model.cfg, run_dir)
+    return model, tok
 
 
 def check_tokenizer(tok, cfg: ModelConfig, run_dir: Path) -> None:
@@ -266,7 +273,7 @@ def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
             while opt.step_count < tc.steps and not interrupted:
                 step = opt.step_count + 1
                 t0 = time.perf_counter()
-                loss = model._loss_and_backward(*run.train_loader.batch(step))
+                loss = model.loss_and_backward(*run.train_loader.batch(step))
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss became {loss} at step {step}: lower --lr or check the data")
                 lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)

@@ -1,4 +1,4 @@
-"""Training and sampling commands: `pretrain`, `generate`, `chat`."""
+"""Pretraining and sampling commands: `pretrain`, `generate`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from nanoeuler_core import train as training
-from nanoeuler_core.model import Model, check_sampling
+from nanoeuler_core.model import check_sampling
 
 
 def pretrain(
@@ -55,22 +55,14 @@ def pretrain(
     typer.echo(f"--- sample ({sample_prompt!r}, temperature 0.8, top-k 40) ---")
     typer.echo(sample_prompt, nl=False)
     run.model.generate(run.tok, sample_prompt, max_new_tokens=200, temperature=0.8, top_k=40, seed=run.config.seed,
-                       on_text=_stream)
+                       on_text=stream_text)
     typer.echo("")
 
 
-def _stream(piece: str) -> None:
+def stream_text(piece: str) -> None:
+    """Print generated text as it comes."""
     sys.stdout.write(piece)
     sys.stdout.flush()
-
-
-def _load(run_dir: Path, backend: str):
-    from nanoeuler_core.tokenizer import Tokenizer
-
-    model = Model.load(run_dir, backend=backend)
-    tok = Tokenizer.load(run_dir / "tokenizer.json")
-    training.check_tokenizer(tok, model.cfg, run_dir)
-    return model, tok
 
 
 def generate(
@@ -85,42 +77,12 @@ def generate(
 ) -> None:
     """Continue PROMPT with the model in RUN_DIR, streaming tokens as they come."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
-    model, tok = _load(run_dir, backend)
+    model, tok = training.load_model(run_dir, backend)
     typer.echo(prompt, nl=False)
-    model.generate(tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, on_text=_stream)
+    model.generate(tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, on_text=stream_text)
     typer.echo("")
-
-
-def chat(
-    run_dir: Path = typer.Argument(..., help="a run directory"),
-    max_new_tokens: int = typer.Option(200, help="tokens per reply at most"),
-    temperature: float = typer.Option(0.8, help="0 = greedy"),
-    top_k: Optional[int] = typer.Option(40, help="sample among the k most likely tokens"),
-    seed: Optional[int] = typer.Option(None, help="seed for reproducible replies"),
-    backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
-) -> None:
-    """A prompt loop: each line you type is continued by the model. /quit (or end of input) leaves."""
-    check_sampling(max_new_tokens, temperature, top_k, None)
-    model, tok = _load(run_dir, backend)
-    interactive = sys.stdin.isatty()
-    if interactive:
-        typer.echo(f"nanoeuler {run_dir}: each line is continued by the model; /quit to leave", err=True)
-    turn = 0
-    while True:
-        if interactive:
-            typer.echo("> ", nl=False, err=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/quit":
-            break
-        prompt = line.rstrip("\n")
-        typer.echo(prompt, nl=False)
-        model.generate(tok, prompt, max_new_tokens, temperature, top_k, None,
-                       None if seed is None else seed + turn, on_text=_stream)
-        typer.echo("")
-        turn += 1
 
 
 def register(app: typer.Typer) -> None:
     app.command()(pretrain)
     app.command()(generate)
-    app.command()(chat)

@@ -4,9 +4,10 @@ import numpy as np
 from numba import njit, prange
 
 from nanoeuler_ops.adamw import CLIP_EPS, check_buffers
+from nanoeuler_ops.cpu.common import REDUCE_FASTMATH
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=REDUCE_FASTMATH)
 def _step(params, grads, m, v, lr, step, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm):
     # params, grads, m, v (P,); the hyperparameters float32, n_decay int -> the gradient norm (float64);
     # params, m, v updated in place.
