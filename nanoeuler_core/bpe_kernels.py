@@ -88,8 +88,9 @@ def _add_pair(pair_index, pairs, occurrences, sizes, left, right, count, positio
     # pairs (P, 4), occurrences (O, 2), both with room for one more row -> pair row
     # Counts `count` more of pair (left, right), one occurrence of which starts at `position`.
     key = _pair_key(left, right)
-    pair = pair_index.get(key, -1)
-    if pair < 0:
+    if key in pair_index:
+        pair = pair_index[key]
+    else:
         pair = sizes[N_PAIRS]
         sizes[N_PAIRS] += 1
         pair_index[key] = pair
@@ -149,12 +150,10 @@ def _spell(trie_child, sizes, node, token, token_parts):
         t = pending.pop()
         if t < 256:
             edge = node * 256 + t
-            child = trie_child.get(edge, -1)
-            if child < 0:
-                child = sizes[N_NODES]
+            if edge not in trie_child:
+                trie_child[edge] = sizes[N_NODES]
                 sizes[N_NODES] += 1
-                trie_child[edge] = child
-            node = child
+            node = trie_child[edge]
         else:
             pending.append(token_parts[t, 1])
             pending.append(token_parts[t, 0])
@@ -219,8 +218,9 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
         left, right = pairs[pair, KEY] >> 32, pairs[pair, KEY] & 0xFFFFFFFF
 
         node = _spell(trie_child, sizes, token_node[left], right, token_parts)
-        token = node_token.get(node, -1)
-        if token < 0:
+        if node in node_token:
+            token = node_token[node]
+        else:
             token = n_tokens
             n_tokens += 1
             node_token[node] = token

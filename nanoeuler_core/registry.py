@@ -126,6 +126,17 @@ class Op:
         return ["reference", *self.backends]
 
 
+def _package(ep) -> str:
+    """The distribution that declared an entry point (its module path when that is unknown)."""
+    return ep.dist.name if ep.dist is not None else ep.value.split(":")[0]
+
+
+def _load_order(ep) -> tuple[bool, str]:
+    """nanoeuler's own entry points first, then by name: a plugin that reuses a built-in name is the
+    one skipped, whatever order importlib.metadata lists the distributions in."""
+    return _package(ep) != "nanoeuler", ep.name
+
+
 class Registry:
     """Name -> Op and name -> Backend, filled from entry points on first use."""
 
@@ -150,8 +161,8 @@ class Registry:
             return
         self._loaded = True
         for group, register in ((BACKENDS_GROUP, self.register_backend), (OPS_GROUP, self._register_entry_op)):
-            for ep in sorted(importlib.metadata.entry_points(group=group), key=lambda e: e.name):
-                package = ep.dist.name if ep.dist is not None else ep.value.split(":")[0]
+            for ep in sorted(importlib.metadata.entry_points(group=group), key=_load_order):
+                package = _package(ep)
                 try:
                     obj = ep.load()
                     register(obj) if group == BACKENDS_GROUP else register(obj, package)

@@ -77,12 +77,7 @@ def test_broken_plugin_is_skipped_with_a_warning(op_entry_points, value, error):
     assert_rmsnorm_runs_on_cpu(reg)
 
 
-@pytest.mark.parametrize("plugin_listed_first", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "Registry._load registers entry points in name order only, so a plugin listed first shadows the "
-        "built-in op; fixed by sorting nanoeuler's own entry points first"))),
-], ids=["after_builtin", "before_builtin"])
+@pytest.mark.parametrize("plugin_listed_first", [False, True], ids=["after_builtin", "before_builtin"])
 def test_plugin_reusing_a_registered_name_is_skipped_with_a_warning(op_entry_points, plugin_listed_first):
     # importlib.metadata lists distributions in sys.path order, so a plugin may come first: the
     # built-in op must win either way, and the warning must blame the plugin.

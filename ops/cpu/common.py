@@ -28,13 +28,14 @@ def _float32_from_bits(typingctx, bits):
 
 @njit(inline="always")
 def exp32(x):
-    """exp(x) for float32 x <= 88, within 2 ulp; below -87 it returns about 1.6e-38 instead of
-    flushing to 0, and NaN stays NaN. Plain arithmetic (no libm call), so loops over it vectorize.
+    """exp(x) for float32 x, within 2 ulp on [-87, 88]; below -87 it returns about 1.6e-38 instead of
+    flushing to 0, above 88 it saturates at exp(88) (float32's largest power range), and NaN stays NaN. Plain arithmetic (no libm call), so loops over it vectorize.
 
     exp(x) = 2^n * exp(f) with n = round(x / ln 2), |f| <= ln(2) / 2, exp(f) by its Taylor series to
     degree 7 (truncation below 1e-8); 2^n is built from its exponent bits.
     """
-    x = np.float32(-87.0) if x < np.float32(-87.0) else x  # written so that NaN passes through
+    x = np.float32(-87.0) if x < np.float32(-87.0) else x  # comparisons written so that NaN passes through
+    x = np.float32(88.0) if x > np.float32(88.0) else x
     n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
     f = x - n * np.float32(0.693145751953125) - n * np.float32(1.428606765330187e-06)  # ln 2 in two parts
     p = np.float32(1 / 5040)

@@ -1,0 +1,3 @@
+from nanoeuler_core.cli import main
+
+main()

@@ -1,0 +1,218 @@
+"""Pretraining: schedule, exact resume, checkpoints that survive Ctrl-C, kill -9 and a full disk,
+and one-line errors for bad input."""
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from nanoeuler_core import checkpoint, train
+from nanoeuler_core.data import default_corpus
+from nanoeuler_core.optim import lr_at
+from nanoeuler_core.tokenizer import Tokenizer
+
+CORPUS_CHARS = 60_000
+
+
+@pytest.fixture(scope="module")
+def corpus_and_tokenizer(tmp_path_factory):
+    """A slice of the bundled corpus and a 512-entry tokenizer trained on it, shared by the tests."""
+    folder = tmp_path_factory.mktemp("corpus")
+    text = default_corpus().read_text(encoding="utf-8")[:CORPUS_CHARS]
+    corpus = folder / "shakespeare.txt"
+    corpus.write_text(text, encoding="utf-8")
+    tok = Tokenizer.train(text, 512)
+    tok.save(folder / "tokenizer.json")
+    return corpus, folder / "tokenizer.json"
+
+
+def config(corpus_and_tokenizer, **overrides):
+    corpus, tokenizer = corpus_and_tokenizer
+    settings = dict(corpus=str(corpus), tokenizer=str(tokenizer), steps=12, batch_size=2, eval_every=4,
+                    eval_batches=2, ckpt_every=4)
+    return train.TrainConfig(**{**settings, **overrides})
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def quiet(_msg):
+    pass
+
+
+def test_lr_schedule():
+    assert lr_at(1, 1.0, 10, 100) == pytest.approx(0.1)
+    assert lr_at(10, 1.0, 10, 100) == pytest.approx(1.0)
+    assert lr_at(55, 1.0, 10, 100) == pytest.approx(0.55)
+    assert lr_at(100, 1.0, 10, 100) == pytest.approx(0.1)
+    assert lr_at(500, 1.0, 10, 100) == pytest.approx(0.1)
+
+
+def test_training_lowers_the_loss_and_writes_the_run(corpus_and_tokenizer, tmp_path):
+    run = train.start_run(tmp_path / "run", config(corpus_and_tokenizer, steps=40, eval_every=20), quiet)
+    row, interrupted = train.train(run, quiet)
+    assert not interrupted and row["step"] == 40
+    for name in ("config.json", "tokenizer.json", "model.safetensors", "optimizer.safetensors", "metrics.jsonl"):
+        assert (tmp_path / "run" / name).is_file()
+    rows = [orjson.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_bytes().splitlines()]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "time"} <= set(rows[0])
+    assert [r["step"] for r in rows if "val_loss" in r] == [20, 40]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    assert rows[-1]["val_loss"] < run.unigram_loss + 0.5
+
+
+def test_resume_continues_exactly(corpus_and_tokenizer, tmp_path):
+    straight = train.start_run(tmp_path / "straight", config(corpus_and_tokenizer), quiet)
+    train.train(straight, quiet)
+    half = train.start_run(tmp_path / "half", config(corpus_and_tokenizer, steps=6, decay_steps=12), quiet)
+    train.train(half, quiet)
+    resumed = train.resume_run(tmp_path / "half", {"steps": 12}, quiet)
+    assert resumed.optimizer.step_count == 6
+    train.train(resumed, quiet)
+    assert losses(tmp_path / "half") == losses(tmp_path / "straight")
+    a, b = train.load_model(tmp_path / "half")[0].params, train.load_model(tmp_path / "straight")[0].params
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+
+
+def test_crash_between_checkpoint_renames_rolls_forward(corpus_and_tokenizer, tmp_path, monkeypatch):
+    run = train.start_run(tmp_path / "run", config(corpus_and_tokenizer, steps=8, ckpt_every=100), quiet)
+    run.config.steps = 4
+    train.train(run, quiet)  # checkpoint at step 4
+    real_replace, calls = os.replace, []
+
+    def crash_after_first_rename(src, dst):
+        calls.append(dst)
+        if str(dst).endswith("model.safetensors"):
+            raise KeyboardInterrupt("simulated crash")
+        real_replace(src, dst)
+
+    run.config.steps = 8
+    monkeypatch.setattr(checkpoint.os, "replace", crash_after_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(run, quiet)
+    monkeypatch.undo()
+    resumed = train.resume_run(tmp_path / "run", {}, quiet)
+    assert resumed.optimizer.step_count == 8  # both files were complete: the new checkpoint rolled forward
+
+
+def test_crash_while_writing_keeps_last_good_checkpoint(corpus_and_tokenizer, tmp_path, monkeypatch):
+    run = train.start_run(tmp_path / "run", config(corpus_and_tokenizer, steps=4), quiet)
+    train.train(run, quiet)
+    good = train.load_model(tmp_path / "run")[0].params
+    real_write = checkpoint.atomic_write
+
+    def disk_full_on_model(path, data):
+        if "model.safetensors" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, data)
+
+    run.config.steps = 8
+    monkeypatch.setattr(checkpoint, "atomic_write", disk_full_on_model)
+    with pytest.raises(OSError, match="No space left"):
+        train.train(run, quiet)
+    monkeypatch.undo()
+    resumed = train.resume_run(tmp_path / "run", {}, quiet)
+    assert resumed.optimizer.step_count == 4
+    assert all(np.array_equal(resumed.model.params[n], w) for n, w in good.items())
+    assert not list((tmp_path / "run").glob("*.pending"))
+
+
+# ------------------------------------------------------------------------------------------------
+# the command line, as a user runs it
+
+def cli(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanoeuler_core.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, **kwargs)
+
+
+def pretrain_args(corpus_and_tokenizer, out, steps=8, *extra):
+    corpus, tokenizer = corpus_and_tokenizer
+    return ("pretrain", "--corpus", corpus, "--tokenizer", tokenizer, "--steps", steps, "--batch-size", 2,
+            "--eval-every", 4, "--ckpt-every", 4, "--out", out, *extra)
+
+
+def test_kill_during_checkpoint_write_resumes_from_last_good(corpus_and_tokenizer, tmp_path):
+    """kill -9 the trainer in the middle of its second checkpoint, between writing the two files."""
+    script = (
+        "import os, signal, sys\n"
+        "from nanoeuler_core import checkpoint\n"
+        "real, model_writes = checkpoint.atomic_write, []\n"
+        "def write(path, data):\n"
+        "    if str(path).endswith('model.safetensors.pending'):\n"
+        "        model_writes.append(path)\n"
+        "        if len(model_writes) == 2:\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    real(path, data)\n"
+        "checkpoint.atomic_write = write\n"
+        "from nanoeuler_core.cli import main\n"
+        "sys.argv = ['nanoeuler-run'] + sys.argv[1:]\n"
+        "main()\n"
+    )
+    run_dir = tmp_path / "run"
+    args = [str(a) for a in pretrain_args(corpus_and_tokenizer, run_dir, 8)]
+    killed = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    assert (run_dir / "optimizer.safetensors.pending").exists()  # the write it was killed in
+    resumed = cli("pretrain", "--resume", run_dir, "--steps", 8)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stderr and "at step 4" in resumed.stderr
+    assert sorted(losses(run_dir)) == list(range(1, 9))
+
+
+def test_ctrl_c_saves_and_exits_cleanly(corpus_and_tokenizer, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "nanoeuler_core.cli",
+                             *map(str, pretrain_args(corpus_and_tokenizer, run_dir, 100000))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and metrics.read_bytes().count(b"\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted: checkpoint at step" in err
+    step = int(err.split("checkpoint at step ")[1].split()[0])
+    resumed = train.resume_run(run_dir, {}, quiet)
+    assert resumed.optimizer.step_count == step >= 2
+
+
+def test_bad_input_is_one_clear_line(corpus_and_tokenizer, tmp_path):
+    corpus, tokenizer = corpus_and_tokenizer
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be.\n")
+    cases = [
+        (("pretrain", "--resume", tmp_path / "missing"), "does not exist"),
+        (("pretrain", "--preset", "huge", "--out", tmp_path / "a"), "unknown preset 'huge'"),
+        (("pretrain", "--corpus", short, "--tokenizer", tokenizer, "--out", tmp_path / "b"), "fewer than one context window"),
+        (("pretrain", "--corpus", tmp_path / "nope.txt", "--out", tmp_path / "c"), "not found"),
+        (("generate", tmp_path / "missing", "It was"), "does not exist"),
+    ]
+    for args, message in cases:
+        result = cli(*args)
+        assert result.returncode == 1, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (args, result.stderr)
+
+
+def test_generate_checks_checkpoint_and_tokenizer(corpus_and_tokenizer, tmp_path):
+    run_dir = tmp_path / "run"
+    run = train.start_run(run_dir, config(corpus_and_tokenizer, steps=2), quiet)
+    train.train(run, quiet)
+    ok = cli("generate", run_dir, "It was", "--max-new-tokens", 5, "--seed", 1)
+    assert ok.returncode == 0 and ok.stdout.startswith("It was"), ok.stderr
+    Tokenizer.train("a small foreign text " * 50, 300).save(run_dir / "tokenizer.json")
+    mismatch = cli("generate", run_dir, "It was")
+    assert mismatch.returncode == 1 and "vocab_size 512" in mismatch.stderr and "300" in mismatch.stderr
+    (run_dir / "model.safetensors").write_bytes(b"\x00" * 10)
+    corrupt = cli("generate", run_dir, "It was")
+    assert corrupt.returncode == 1 and "corrupt" in corrupt.stderr and "Traceback" not in corrupt.stderr
