@@ -82,17 +82,22 @@ def _copy(src, dst):
         dst[i] = src[i]
 
 
-def copy_bandwidth() -> float:
-    """A plain copy kernel's rate on 1 GiB, bytes read + written per second (the memory roofline)."""
+def copy_bandwidth(torch) -> tuple[float, str]:
+    """The memory roofline: a 1 GiB device-to-device copy, bytes read + written per second
+    (PyTorch's copy where torch is installed, else a plain Numba copy kernel)."""
+    if torch is not None:
+        src = torch.ones(1 << 28, device="cuda")
+        dst = torch.empty_like(src)
+        return 2 * src.nbytes / (time_torch(torch, lambda: dst.copy_(src)) * 1e-3), "torch copy"
     src = cuda.device_array(1 << 28, np.float32)
     runtime.fill(src, 1.0)
     dst = cuda.device_array_like(src)
     ms = time_numba(lambda: _copy[runtime.blocks_for(src.size, 256), 256](src, dst))
-    return 2 * src.nbytes / (ms * 1e-3)
+    return 2 * src.nbytes / (ms * 1e-3), "numba copy kernel"
 
 
 def cases(B: int, rng):
-    """(op, pass, numba fn, torch fn maker, bytes moved, flops) at batch size B."""
+    """(op, pass, numba fn, key of the torch twin ("" if none), bytes moved, flops) at batch size B."""
     N, T = B * 512, 512
     f32 = lambda *shape: BACKEND.asarray(rng.standard_normal(shape))   # noqa: E731
     x, x2, w_norm = f32(N, C), f32(N, C), BACKEND.asarray(1.0 + 0.1 * rng.standard_normal(C))
@@ -116,6 +121,17 @@ def cases(B: int, rng):
     _, ce_saved = cross_entropy.forward(logits, targets)
     losses_grad = BACKEND.asarray(np.full(N, 1.0 / N))
 
+    # the backward's two big kernels alone, to show which one to speed up next
+    _, row_dot, dq_kernel, dkdv_kernel = attention._kernels(D)
+    (o, lse), scale = attn_saved, np.float32(1 / math.sqrt(D))
+    di = runtime.empty((B, H, T))
+    runtime.launch(row_dot, runtime.blocks_for(di.size, 256), 256, dq_shape, o, di)
+    dq_out, dk_out, dv_out = runtime.empty(q.shape), runtime.empty(k.shape), runtime.empty(v.shape)
+    run_dq = lambda: runtime.launch(dq_kernel, (T // attention.BQ, B * H), attention.BQ,   # noqa: E731
+                                    dq_shape, q, k, v, lse, di, scale, dq_out)
+    run_dkdv = lambda: runtime.launch(dkdv_kernel, (T // attention.BK_DKDV, B * KV),   # noqa: E731
+                                      attention.BK_DKDV, dq_shape, q, k, v, lse, di, scale, dk_out, dv_out)
+
     nc, nf, nv = N * C * 4, N * F * 4, N * V * 4
     attn_flops = 4 * B * H * T * T * D / 2
     qkv_bytes = (q.nbytes + k.nbytes + v.nbytes)
@@ -133,6 +149,8 @@ def cases(B: int, rng):
         ("attention", "fwd", lambda: attention.forward(q, k, v), "attention_fwd", 2 * qkv_bytes, attn_flops),
         ("attention", "bwd", lambda: attention.backward(dq_shape, attn_saved, q, k, v), "attention_bwd",
          4 * qkv_bytes, 2.5 * attn_flops),
+        ("attention dq kernel", "bwd", run_dq, "", 3 * qkv_bytes, attn_flops * 3 / 2),
+        ("attention dkdv kernel", "bwd", run_dkdv, "", 4 * qkv_bytes, attn_flops * 4 / 2),
         ("swiglu", "fwd", lambda: swiglu.forward(gate, up), "swiglu_fwd", 3 * nf, 0),
         ("swiglu", "bwd", lambda: swiglu.backward(dy_nf, (), gate, up), "swiglu_bwd", 5 * nf, 0),
         ("add", "fwd", lambda: add.forward(x, x2), "add_fwd", 3 * nc, 0),
@@ -215,9 +233,9 @@ def main() -> None:
 
     name = cuda.get_current_device().name
     name = name.decode() if isinstance(name, bytes) else name
-    bandwidth = copy_bandwidth()
-    print(f"{name}; batch {args.batch_size} x 512; cuBLAS: {cublas.uses_cublas()}; "
-          f"measured copy bandwidth {bandwidth / 1e9:.0f} GB/s; fp32 peak {FP32_PEAK / 1e12:.0f} TFLOP/s")
+    bandwidth, measured_by = copy_bandwidth(torch)
+    print(f"{name}; batch {args.batch_size} x 512; cuBLAS: {cublas.uses_cublas()}; copy bandwidth "
+          f"{bandwidth / 1e9:.0f} GB/s ({measured_by}); fp32 peak {FP32_PEAK / 1e12:.0f}, tf32 {TF32_PEAK / 1e12:.0f} TFLOP/s")
     rng = np.random.default_rng(0)
     rows = []
     all_cases = cases(args.batch_size, rng)
@@ -229,7 +247,7 @@ def main() -> None:
         cublas.ALLOW_TF32 = tf32
         ms = time_numba(fn)
         torch_ms = math.nan
-        if torch is not None:
+        if torch is not None and key:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch_ms = time_torch(torch, torch_ops[key.removesuffix("_tf32")])
         seconds = ms * 1e-3
@@ -241,7 +259,7 @@ def main() -> None:
             achieved = f"{rate / 1e9:7.0f} GB/s   "
         rows.append(dict(op=op, phase=phase, ms=ms, torch_ms=torch_ms, achieved=rate, roofline_fraction=rate / peak,
                          bytes=nbytes, flops=flops))
-        print(f"{op:<18} {phase:<4} {ms:8.3f} ms  {achieved}  {100 * rate / peak:5.1f}% of roofline  "
+        print(f"{op:<22} {phase:<4} {ms:8.3f} ms  {achieved}  {100 * rate / peak:5.1f}% of roofline  "
               f"torch {torch_ms:8.3f} ms  torch/ours {torch_ms / ms:5.2f}", flush=True)
     cublas.ALLOW_TF32 = False
     if args.json:

@@ -3,8 +3,17 @@
     from nanoeuler_core import ModelConfig, Model, Tokenizer
 """
 
-from nanoeuler_core.config import ModelConfig
-from nanoeuler_core.model import Model
+import os
+
+# The CPU backend runs OpenBLAS matrix products between Numba's OpenMP kernels. By default both
+# thread pools spin while idle and steal the cores from each other (a 2-core step ran 8x slower);
+# these make idle threads sleep at once. They act only if set before NumPy and Numba start their
+# pools, which importing nanoeuler_core first ensures; a value the user set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+from nanoeuler_core.config import ModelConfig  # noqa: E402
+from nanoeuler_core.model import Model  # noqa: E402
 
 __all__ = ["ModelConfig", "Model", "Tokenizer"]
 
