@@ -1,10 +1,13 @@
-"""Numba kernel for byte-level BPE training: the merge loop with incremental pair counts.
+"""Numba kernels for byte-level BPE: learning merges from a corpus, and applying them to words.
 
-The corpus arrives as a word-frequency table: the bytes of every distinct pretoken laid end to
-end. Pair counts are computed once; after that each merge visits only the positions where its
-pair occurs (found through per-pair occurrence lists) and adjusts the counts of the neighbouring
-pairs it destroys and creates. A max-heap with lazy deletion yields the most frequent pair.
-Training therefore costs about (symbols merged) x log(pairs), never (merges x corpus).
+Both take words as one array: the bytes of every distinct pretoken laid end to end, with offsets.
+Merge r joins a pair of earlier ids into the new id 256 + r.
+
+Training (`learn_merges`) computes pair counts once; after that each merge visits only the
+positions where its pair occurs (found through per-pair occurrence lists) and adjusts the counts
+of the neighbouring pairs it destroys and creates. A max-heap with lazy deletion yields the most
+frequent pair. Training therefore costs about (symbols merged) x log(pairs), never
+(merges x corpus).
 
 Sizes: L symbol positions, W distinct words, P distinct pairs, V tokens.
 """
@@ -143,8 +146,7 @@ def _live_positions(pairs, occurrences, pair, left, right, symbols, next_pos):
 @njit(cache=True)
 def _spell(trie_child, sizes, node, token, token_parts):
     # token_parts (V, 2) -> trie node reached from `node` along `token`'s bytes (missing nodes added).
-    # The trie of token spellings detects a merge whose bytes equal an existing token's: such a
-    # merge reuses that id, so the vocabulary never holds one byte string twice.
+    # The trie of token spellings detects a pair whose bytes equal an existing token's.
     pending = [token]
     while len(pending) > 0:
         t = pending.pop()
@@ -167,8 +169,7 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
     # word_offsets (W+1,) int64: word w is symbols[word_offsets[w]:word_offsets[w+1]]
     # word_counts (W,) int64: occurrences of each word in the corpus
     # progress (1,) int64: tokens learned so far, read by a watcher thread
-    # -> merges (M, 2) int64, the pair merged at each rank. M >= tokens learned, as a pair whose
-    #    bytes spell an existing token merges into that token.
+    # -> merges (M, 2) int64, M <= n_new_tokens: the pair merged at each rank
     L = symbols.shape[0]
     W = word_counts.shape[0]
     next_pos = np.empty(L, np.int64)
@@ -204,7 +205,7 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
         token_node[b] = _spell(trie_child, sizes, 0, b, token_parts)
         node_token[token_node[b]] = b
 
-    merges = np.empty((n_new_tokens + 1, 2), np.int64)
+    merges = np.empty((n_new_tokens, 2), np.int64)
     n_merges = 0
     n_tokens = 256
     while n_tokens < V and heap_size > 0:
@@ -219,14 +220,15 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
 
         node = _spell(trie_child, sizes, token_node[left], right, token_parts)
         if node in node_token:
-            token = node_token[node]
-        else:
-            token = n_tokens
-            n_tokens += 1
-            node_token[node] = token
-            token_node[token] = node
-            token_parts[token, 0], token_parts[token, 1] = left, right
-        merges = _grow_rows(merges, n_merges + 1)
+            # The pair spells an existing token (reached through other pairs): it is never merged,
+            # so each byte string keeps one id. A count <= 0 keeps it out of the heap for good.
+            pairs[pair, COUNT] = 0
+            continue
+        token = n_tokens
+        n_tokens += 1
+        node_token[node] = token
+        token_node[token] = node
+        token_parts[token, 0], token_parts[token, 1] = left, right
         merges[n_merges, 0], merges[n_merges, 1] = left, right
         n_merges += 1
 
@@ -265,3 +267,49 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
                 heap_size = _heap_push(heap, heap_size, pairs[touched[i], COUNT], touched[i], pairs)
         progress[0] = n_tokens - 256
     return merges[:n_merges]
+
+
+@njit(cache=True)
+def _merge_rank(pair_keys, pair_ranks, left, right):
+    # pair_keys (P,) sorted, pair_ranks (P,) -> rank of merge (left, right), or -1
+    key = _pair_key(left, right)
+    i = np.searchsorted(pair_keys, key)
+    if i < pair_keys.shape[0] and pair_keys[i] == key:
+        return pair_ranks[i]
+    return -1
+
+
+@njit(cache=True)
+def apply_merges(symbols, word_offsets, pair_keys, pair_ranks):
+    # symbols (L,) int32: bytes of the words end to end; rewritten so word w's token ids start at
+    #   word_offsets[w]
+    # word_offsets (W+1,) int64; pair_keys (P,) int64 sorted; pair_ranks (P,) int64 aligned with them
+    # -> lengths (W,) int64: the number of tokens of each word
+    # Merges the lowest-rank pair present, all its occurrences left to right, until none applies:
+    # GPT-2's encoder, and Hugging Face's BPE model when no two merges spell the same token.
+    W = word_offsets.shape[0] - 1
+    lengths = np.empty(W, np.int64)
+    for w in range(W):
+        start = word_offsets[w]
+        n = word_offsets[w + 1] - start
+        while n > 1:
+            best_rank, best_at = -1, -1
+            for i in range(start, start + n - 1):
+                rank = _merge_rank(pair_keys, pair_ranks, symbols[i], symbols[i + 1])
+                if rank >= 0 and (best_rank < 0 or rank < best_rank):
+                    best_rank, best_at = rank, i
+            if best_rank < 0:
+                break
+            left, right, merged = symbols[best_at], symbols[best_at + 1], 256 + best_rank
+            kept, i = start, start
+            while i < start + n:
+                if i + 1 < start + n and symbols[i] == left and symbols[i + 1] == right:
+                    symbols[kept] = merged
+                    i += 2
+                else:
+                    symbols[kept] = symbols[i]
+                    i += 1
+                kept += 1
+            n = kept - start
+        lengths[w] = n
+    return lengths

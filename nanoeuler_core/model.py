@@ -141,19 +141,18 @@ class Model:
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
         return ids.astype(np.int64)
 
-    def _forward(self, ids: np.ndarray, kv: list | None = None, start: int = 0):
-        """ids (B, T) -> final hidden state (N, C), per-block caches, and the final norm's cache.
+    def _forward(self, ids, B: int, T: int, kv: list | None = None, start: int = 0):
+        """ids (N,) on the backend -> final hidden state (N, C), per-block caches, and the final
+        norm's input and cache.
 
         With a KV cache (generation, B = 1), the tokens sit at positions start .. start + T - 1:
         their keys and values are appended to `kv` and attention reads every cached position.
         """
         cfg, f, be = self.cfg, self.ops, self.backend
-        B, T = ids.shape
         N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         S = start + T  # key positions visible to the last query
-        ids_dev = be.asarray(ids.reshape(N))
 
-        x, _ = f.embedding.forward(ids_dev, self.weights["tok_emb"])
+        x, _ = f.embedding.forward(ids, self.weights["tok_emb"])
         caches = []
         for i, L in enumerate(self.layers):
             # attention Euler step: x = x + wo(attention(rope(q), rope(k), v)) of rmsnorm(x)
@@ -182,12 +181,16 @@ class Model:
             caches.append(BlockCache(x, h_attn, rstd_attn, q, k, v, attn_saved, x_mid, h_ffn, rstd_ffn, gate, up, act))
             x, _ = f.add.forward(x_mid, ffn_out)
         h_final, (rstd_final,) = f.rmsnorm.forward(x, self.weights["norm"], eps=eps)
-        return h_final, caches, (x, rstd_final, ids_dev)
+        return h_final, caches, (x, rstd_final)
+
+    def _upload_ids(self, inputs):
+        ids = self._check_inputs(inputs)
+        return ids, self.backend.asarray(ids.reshape(-1))
 
     def forward(self, inputs) -> np.ndarray:
         """inputs int (B, T) -> logits float (B, T, vocab_size) from head 0, as a host array."""
-        ids = self._check_inputs(inputs)
-        h_final, _, _ = self._forward(ids)
+        ids, ids_dev = self._upload_ids(inputs)
+        h_final, _, _ = self._forward(ids_dev, *ids.shape)
         logits, _ = self.ops.linear.forward(h_final, self.weights["heads.0"])
         return self.backend.to_host(logits).reshape(*ids.shape, self.cfg.vocab_size)
 
@@ -195,13 +198,13 @@ class Model:
     # loss and backward
 
     def head_targets(self, targets: np.ndarray) -> np.ndarray:
-        """(B, T) next-token targets -> (K, B, T): head j at position t predicts targets[:, t + j]; -1 past the end."""
+        """(B, T) next-token targets -> (K, B * T): head j at position t predicts targets[:, t + j]; -1 past the end."""
         K = self.cfg.n_mtp
         B, T = targets.shape
         shifted = np.full((K, B, T), -1, dtype=np.int64)
         for j in range(K):
             shifted[j, :, :T - j] = targets[:, j:]
-        return shifted
+        return shifted.reshape(K, B * T)
 
     def _check_targets(self, targets, ids: np.ndarray) -> np.ndarray:
         targets = np.asarray(targets)
@@ -211,41 +214,7 @@ class Model:
             raise ValueError(f"targets must be -1 (ignored) or in [0, {self.cfg.vocab_size})")
         return targets.astype(np.int64)
 
-    def _heads(self, h_final, head_targets: np.ndarray, weights: np.ndarray, backward: bool):
-        """Per-row cross-entropy of each head j against head_targets[j] (K, N); with `backward`,
-        the gradient of sum(weights * losses) is written for the heads and returned as dh_final (N, C).
-
-        Heads whose weights are all zero are skipped (their gradient is zero). Returns the host
-        losses (K, N), zero where skipped or ignored.
-        """
-        f, be = self.ops, self.backend
-        K, N = head_targets.shape
-        losses = np.zeros((K, N))
-        dh_final = None
-        for j in range(K):
-            head, dhead = self.weights[f"heads.{j}"], self.grads[f"heads.{j}"]
-            if not weights[j].any():
-                if backward:
-                    be.copy_(dhead, np.zeros(dhead.shape, dtype=be.dtype))
-                continue
-            t_j = be.asarray(head_targets[j])
-            logits, _ = f.linear.forward(h_final, head)
-            losses_j, ce_saved = f.cross_entropy.forward(logits, t_j)
-            losses[j] = be.to_host(losses_j)
-            if not backward:
-                continue
-            dlogits, _ = f.cross_entropy.backward(be.asarray(weights[j]), ce_saved, logits, t_j)
-            dh_j, dhead_j = f.linear.backward(dlogits, (), h_final, head)
-            be.copy_(dhead, dhead_j)
-            if dh_final is None:
-                dh_final = dh_j
-            else:
-                dh_final, _ = f.add.forward(dh_final, dh_j)
-        if backward and dh_final is None:  # every weight zero: zero gradient everywhere
-            dh_final = be.zeros(h_final.shape)
-        return losses, dh_final
-
-    def _mtp_weights(self, head_targets: np.ndarray) -> np.ndarray:
+    def mtp_weights(self, head_targets: np.ndarray) -> np.ndarray:
         """Row weights (K, N) that make sum(weights * losses) the MTP loss: the mean over heads of
         each head's mean over its valid targets; heads without any valid target do not count."""
         valid = head_targets >= 0
@@ -253,46 +222,79 @@ class Model:
         n_active = max(1, int((counts > 0).sum()))
         return valid / np.maximum(counts, 1) / n_active
 
-    def _backward_from(self, ids: np.ndarray, head_targets: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """Forward, then the gradient of sum(weights * per-row losses) into `grad_flat`; returns the losses (K, N)."""
-        B, T = ids.shape
-        h_final, caches, (x_final, rstd_final, ids_dev) = self._forward(ids)
-        losses, dh_final = self._heads(h_final, head_targets, weights, backward=True)
+    def _heads(self, h_final, head_targets, heads, weights=None):
+        """Per-row cross-entropy (N,) of each head j in `heads` against head_targets[j] (backend (K, N)).
+
+        With `weights` (backend (K, N)), also the backward of sum(weights * losses): the heads'
+        gradients are written and dh_final (N, C) is returned. Returns (losses per head, dh_final).
+        """
+        f, be = self.ops, self.backend
+        losses, dh_final = [], None
+        for j in heads:
+            head = self.weights[f"heads.{j}"]
+            logits, _ = f.linear.forward(h_final, head)
+            losses_j, ce_saved = f.cross_entropy.forward(logits, head_targets[j])
+            losses.append(losses_j)
+            if weights is None:
+                continue
+            dlogits, _ = f.cross_entropy.backward(weights[j], ce_saved, logits, head_targets[j])
+            dh_j, dhead_j = f.linear.backward(dlogits, (), h_final, head)
+            be.copy_(self.grads[f"heads.{j}"], dhead_j)
+            if dh_final is None:
+                dh_final = dh_j
+            else:
+                dh_final, _ = f.add.forward(dh_final, dh_j)
+        return losses, dh_final
+
+    def _forward_backward(self, ids, head_targets, weights, B: int, T: int) -> list:
+        """Forward, then the gradient of sum(weights * per-row losses) of every head into
+        `grad_flat`; all arguments on the backend. Returns the losses per head (backend (N,) each).
+
+        Only backend work, no host copy: a backend with graphs captures it as it stands.
+        """
+        h_final, caches, (x_final, rstd_final) = self._forward(ids, B, T)
+        losses, dh_final = self._heads(h_final, head_targets, range(self.cfg.n_mtp), weights)
         dx, dnorm = self.ops.rmsnorm.backward(dh_final, (rstd_final,), x_final, self.weights["norm"], eps=self.cfg.norm_eps)
         self.backend.copy_(self.grads["norm"], dnorm)
-        self._backward_blocks(dx, caches, ids_dev, B, T)
+        self._backward_blocks(dx, caches, ids, B, T)
         return losses
+
+    def _host_losses(self, losses: list) -> np.ndarray:
+        return np.stack([np.asarray(self.backend.to_host(l), dtype=np.float64) for l in losses])
 
     def loss(self, inputs, targets) -> float:
         """The training loss (SPEC.md section 1) without gradients, e.g. for validation."""
-        ids = self._check_inputs(inputs)
-        head_targets = self.head_targets(self._check_targets(targets, ids)).reshape(self.cfg.n_mtp, -1)
-        weights = self._mtp_weights(head_targets)
-        h_final, _, _ = self._forward(ids)
-        return float((weights * self._heads(h_final, head_targets, weights, backward=False)[0]).sum())
+        ids, ids_dev = self._upload_ids(inputs)
+        head_targets = self.head_targets(self._check_targets(targets, ids))
+        weights = self.mtp_weights(head_targets)
+        active = [j for j in range(self.cfg.n_mtp) if weights[j].any()]
+        h_final, _, _ = self._forward(ids_dev, *ids.shape)
+        losses, _ = self._heads(h_final, self.backend.asarray(head_targets), active)
+        return float((weights[active] * self._host_losses(losses)).sum())
 
     def loss_and_backward(self, inputs, targets) -> float:
         """The training loss; fills the gradient buffer `grad_flat` (and the `grads` views) without host copies."""
-        ids = self._check_inputs(inputs)
-        head_targets = self.head_targets(self._check_targets(targets, ids)).reshape(self.cfg.n_mtp, -1)
-        weights = self._mtp_weights(head_targets)
-        return float((weights * self._backward_from(ids, head_targets, weights)).sum())
+        ids, ids_dev = self._upload_ids(inputs)
+        head_targets = self.head_targets(self._check_targets(targets, ids))
+        weights = self.mtp_weights(head_targets)
+        be = self.backend
+        losses = self._forward_backward(ids_dev, be.asarray(head_targets), be.asarray(weights), *ids.shape)
+        return float((weights * self._host_losses(losses)).sum())
 
     def token_logprobs(self, inputs, targets) -> np.ndarray:
         """log p(targets[b, t] | inputs[b, :t + 1]) from head 0, (B, T) float64; 0 where the target is -1."""
-        ids = self._check_inputs(inputs)
+        ids, ids_dev = self._upload_ids(inputs)
         targets = self._check_targets(targets, ids)
-        h_final, _, _ = self._forward(ids)
-        weights = np.zeros((1, ids.size))
-        weights[0] = targets.reshape(-1) >= 0
-        return -self._heads(h_final, targets.reshape(1, -1), weights, backward=False)[0][0].reshape(ids.shape)
+        h_final, _, _ = self._forward(ids_dev, *ids.shape)
+        losses, _ = self._heads(h_final, self.backend.asarray(targets.reshape(1, -1)), [0])
+        return -self._host_losses(losses)[0].reshape(ids.shape)
 
     def logprob_backward(self, inputs, targets, weights) -> np.ndarray:
         """Fill `grad_flat` with the gradient of sum(weights * token_logprobs(inputs, targets)), weights (B, T).
 
         The building block of objectives on sequence log-probabilities (DPO). Returns the log-probs.
         """
-        ids = self._check_inputs(inputs)
+        ids, ids_dev = self._upload_ids(inputs)
         targets = self._check_targets(targets, ids)
         weights = np.asarray(weights, dtype=np.float64)
         if weights.shape != ids.shape:
@@ -301,7 +303,9 @@ class Model:
         head_targets[0] = targets.reshape(-1)
         head_weights = np.zeros(head_targets.shape)
         head_weights[0] = -weights.reshape(-1) * (targets.reshape(-1) >= 0)  # log p = -cross-entropy
-        return -self._backward_from(ids, head_targets, head_weights)[0].reshape(ids.shape)
+        be = self.backend
+        losses = self._forward_backward(ids_dev, be.asarray(head_targets), be.asarray(head_weights), *ids.shape)
+        return -self._host_losses(losses[:1])[0].reshape(ids.shape)
 
     def _backward_blocks(self, dx, caches: list[BlockCache], ids_dev, B: int, T: int) -> None:
         """Walk the blocks in reverse from dx (N, C), the gradient at the last block's output, to tok_emb."""
@@ -383,10 +387,10 @@ class Model:
 
     def next_logits(self, ids, kv: list, start: int) -> np.ndarray:
         """Feed tokens `ids` at positions start.. into the KV cache; head-0 logits (V,) after the last one."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        ids, ids_dev = self._upload_ids(np.asarray(ids, dtype=np.int64).reshape(1, -1))
         if start + ids.shape[1] > self.cfg.ctx_len:
             raise ValueError(f"positions {start}..{start + ids.shape[1] - 1} exceed ctx_len={self.cfg.ctx_len}")
-        h_final, _, _ = self._forward(self._check_inputs(ids), kv, start)
+        h_final, _, _ = self._forward(ids_dev, *ids.shape, kv, start)
         last = h_final[h_final.shape[0] - 1:]
         logits, _ = self.ops.linear.forward(last, self.weights["heads.0"])
         return np.asarray(self.backend.to_host(logits), dtype=np.float64)[0]

@@ -29,18 +29,27 @@ class AdamW:
         be = model.backend
         self.m = be.zeros(model.n_params)
         self.v = be.zeros(model.n_params)
+        self.sched = be.zeros(2)  # [lr, step] on the backend: a captured step reads them from here
         self.step_count = 0
-        self._update = registry.op("adamw").impl(model.backend_name).forward
+        self._adamw = registry.op("adamw").impl(model.backend_name).forward
+
+    def set_schedule(self, lr: float) -> None:
+        """Start the next step at learning rate `lr` (host work: call before `update`)."""
+        self.step_count += 1
+        self.model.backend.copy_(self.sched, np.array([lr, self.step_count], dtype=self.model.backend.dtype))
+
+    def update(self):
+        """Clip and apply the model's gradient buffer (backend work only); returns the norm (1,) on the backend."""
+        model = self.model
+        norm, _ = self._adamw(model.flat, model.grad_flat, self.m, self.v, self.sched,
+                              beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay,
+                              n_decay=model.n_decay, max_grad_norm=self.max_grad_norm)
+        return norm
 
     def step(self, lr: float) -> float:
         """Apply one update from the model's gradient buffer; returns the gradient norm before clipping."""
-        self.step_count += 1
-        be, model = self.model.backend, self.model
-        sched = be.asarray(np.array([lr, self.step_count], dtype=np.float64))
-        norm, _ = self._update(model.flat, model.grad_flat, self.m, self.v, sched,
-                               beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay,
-                               n_decay=model.n_decay, max_grad_norm=self.max_grad_norm)
-        return float(be.to_host(norm)[0])
+        self.set_schedule(lr)
+        return float(self.model.backend.to_host(self.update())[0])
 
     def state(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         """Moments as named tensors (m.<name>, v.<name>) and the step, for optimizer.safetensors."""
@@ -66,3 +75,40 @@ class AdamW:
         be.copy_(self.m, m)
         be.copy_(self.v, v)
         self.step_count = int(metadata.get("step", 0))
+
+
+class TrainStep:
+    """One optimisation step (forward, backward, clipping, AdamW) on batches of one shape.
+
+    The batch is copied into device buffers that stay put, so the step itself is backend work
+    only: the backend captures it once per batch shape (a CUDA graph) and replays it; the CPU
+    backends run it as is. `capture=False` keeps every launch eager, for debugging.
+    """
+
+    def __init__(self, model, optimizer: AdamW, capture: bool = True):
+        self.model, self.optimizer, self.capture = model, optimizer, capture
+        self._programs: dict = {}
+
+    def __call__(self, inputs, targets, lr: float) -> tuple[float, float]:
+        """Train on one batch; returns (loss, gradient norm before clipping)."""
+        model, be = self.model, self.model.backend
+        ids = model._check_inputs(inputs)
+        head_targets = model.head_targets(model._check_targets(targets, ids))
+        weights = model.mtp_weights(head_targets)
+        self.optimizer.set_schedule(lr)
+        program = self._programs.get(ids.shape)
+        if program is None:
+            buffers = tuple(be.asarray(a) for a in (ids.reshape(-1), head_targets, weights))
+
+            def step():
+                return model._forward_backward(*buffers, *ids.shape), self.optimizer.update()
+
+            replay, result = be.capture(step) if self.capture else (step, step())
+            self._programs[ids.shape] = (buffers, replay)
+        else:
+            buffers, replay = program
+            for buffer, host in zip(buffers, (ids.reshape(-1), head_targets, weights)):
+                be.copy_(buffer, host)
+            result = replay()
+        losses, norm = result
+        return float((weights * model._host_losses(losses)).sum()), float(be.to_host(norm)[0])

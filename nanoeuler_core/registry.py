@@ -70,6 +70,8 @@ class Backend:
 
     name: str = ""
     dtype: type = np.float32
+    # "highest": float32 matrix products; "high": a backend may use faster ones (TF32 on CUDA)
+    matmul_precision: str = "highest"
 
     def available(self) -> bool:
         return True
@@ -90,6 +92,14 @@ class Backend:
 
     def synchronize(self) -> None:
         pass
+
+    def capture(self, fn):
+        """Prepare fn (no arguments, reading and writing buffers that stay put) for repeated runs.
+
+        Returns (replay, result of a first run). A backend with graphs (CUDA) captures fn once
+        and replays it; by default replay is fn itself.
+        """
+        return fn, fn()
 
 
 @dataclass

@@ -11,8 +11,13 @@ whitespace split apart), so merges never cross those borders.
     tok.save("tokenizer.json")          # tokenizers.Tokenizer.from_file reads it, same ids
 
 Training counts pretokens once, then runs the merge loop in Numba (`bpe_kernels`). Encoding
-applies merges by rank, exactly as Hugging Face's BPE model does, with a cache of encoded
-pretokens; `encode_batch` spreads large batches over all cores.
+applies merges by rank as Hugging Face's BPE model does (in Numba, for the pretokens missing
+from a cache of encoded ones); `encode_batch` spreads large batches over all cores.
+
+Letters, numbers and spaces are those of the running Python's Unicode database (Unicode 14 on
+Python 3.11). Code points assigned in later Unicode versions count as punctuation-like here but
+may be letters to Hugging Face's regex engine; text using them still round-trips, but can split
+differently.
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ import unicodedata
 from array import array
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
-from heapq import heapify, heappop, heappush
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -156,27 +160,25 @@ class Tokenizer:
     """Byte-level BPE: 256 byte ids, learned merges, then the special tokens."""
 
     def __init__(self, merges: Sequence[tuple[int, int]], special_tokens: Sequence[str] = (EOS,)):
-        """Build from `merges` in rank order (pairs of earlier token ids); see `train` to learn them.
-
-        A merge whose bytes equal an existing token's reuses that token's id (Hugging Face's rule),
-        so the vocabulary never holds one byte string twice.
-        """
+        """Build from `merges` in rank order (merge r joins two earlier ids into id 256 + r);
+        see `train` to learn them. Each learned token must spell a byte string no other token does."""
         self._token_bytes = [bytes([b]) for b in range(N_BYTES)]
         id_of_bytes = {token: i for i, token in enumerate(self._token_bytes)}
         self._merges: list[tuple[int, int]] = []
-        self._merge_rank: dict[tuple[int, int], tuple[int, int]] = {}  # pair -> (rank, merged id)
         for rank, (left, right) in enumerate(merges):
             left, right = int(left), int(right)
             if not (0 <= left < len(self._token_bytes) and 0 <= right < len(self._token_bytes)):
                 raise TokenizerError(f"merge {rank} ({left}, {right}) uses a token id not defined before it")
-            if (left, right) in self._merge_rank:
-                raise TokenizerError(f"merge {rank} ({left}, {right}) appears twice")
             spelling = self._token_bytes[left] + self._token_bytes[right]
-            merged = id_of_bytes.setdefault(spelling, len(self._token_bytes))
-            if merged == len(self._token_bytes):
-                self._token_bytes.append(spelling)
+            if spelling in id_of_bytes:
+                raise TokenizerError(f"merge {rank} ({left}, {right}) spells {spelling!r}, already token {id_of_bytes[spelling]}")
+            id_of_bytes[spelling] = len(self._token_bytes)
+            self._token_bytes.append(spelling)
             self._merges.append((left, right))
-            self._merge_rank[left, right] = (rank, merged)
+        # Sorted pair keys for the Numba encoder's binary search; rank r merges into id 256 + r.
+        keys = np.array([(left << 32) | right for left, right in self._merges], dtype=np.int64)
+        self._pair_ranks = np.argsort(keys, kind="stable")
+        self._pair_keys = keys[self._pair_ranks]
 
         self._specials = _check_special_tokens(special_tokens)
         learned_spellings = {_hf_spelling(token) for token in self._token_bytes}
@@ -333,51 +335,13 @@ class Tokenizer:
         cache = self._word_cache
         if len(cache) > _WORD_CACHE_LIMIT:
             cache.clear()
-        for word in set(words).difference(cache):
-            cache[word] = self._merge_word(word.encode("utf-8", "surrogateescape"))
+        missing = list(set(words).difference(cache))
+        if missing:
+            symbols, offsets = _word_table([word.encode("utf-8", "surrogateescape") for word in missing])
+            lengths = bpe_kernels.apply_merges(symbols, offsets, self._pair_keys, self._pair_ranks)
+            ids = symbols.tolist()
+            cache.update(zip(missing, (tuple(ids[start : start + n]) for start, n in zip(offsets.tolist(), lengths.tolist()))))
         return list(itertools.chain.from_iterable(map(cache.__getitem__, words)))
-
-    def _merge_word(self, word: bytes) -> tuple[int, ...]:
-        """Apply merges to one pretoken: always the lowest-rank pair, leftmost first.
-
-        This is Hugging Face's BPE loop (a heap of (rank, position); an entry is still valid when
-        the pair now at its position merges into the same id), so ids match it even where two
-        merges spell the same token.
-        """
-        symbols = list(word)
-        n = len(symbols)
-        next_pos = list(range(1, n + 1))
-        next_pos[-1] = -1
-        prev_pos = list(range(-1, n - 1))
-        merge_rank = self._merge_rank
-        queue = []
-        for pos, pair in enumerate(zip(symbols, symbols[1:])):
-            if pair in merge_rank:
-                rank, merged = merge_rank[pair]
-                queue.append((rank, pos, merged))
-        heapify(queue)
-        while queue:
-            _, pos, merged = heappop(queue)
-            after = next_pos[pos]
-            if symbols[pos] < 0 or after < 0:
-                continue
-            rank_and_id = merge_rank.get((symbols[pos], symbols[after]))
-            if rank_and_id is None or rank_and_id[1] != merged:
-                continue
-            symbols[pos], symbols[after] = merged, -1
-            next_pos[pos] = next_pos[after]
-            if next_pos[pos] >= 0:
-                prev_pos[next_pos[pos]] = pos
-                pair = (merged, symbols[next_pos[pos]])
-                if pair in merge_rank:
-                    rank, new = merge_rank[pair]
-                    heappush(queue, (rank, pos, new))
-            if prev_pos[pos] >= 0:
-                pair = (symbols[prev_pos[pos]], merged)
-                if pair in merge_rank:
-                    rank, new = merge_rank[pair]
-                    heappush(queue, (rank, prev_pos[pos], new))
-        return tuple(s for s in symbols if s >= 0)
 
     # --- decoding ------------------------------------------------------------------------------
 
@@ -507,10 +471,7 @@ def _learn_merges(word_counts: Counter[str], n_new_tokens: int, on_progress: Cal
     """Run the Numba merge loop on a word-frequency table; return (merges, tokens learned)."""
     words = [word.encode("utf-8", "surrogateescape") for word in word_counts]
     multi_byte = [i for i, word in enumerate(words) if len(word) > 1]  # single bytes hold no pairs
-    lengths = np.fromiter((len(words[i]) for i in multi_byte), np.int64, len(multi_byte))
-    word_offsets = np.zeros(len(multi_byte) + 1, np.int64)
-    np.cumsum(lengths, out=word_offsets[1:])
-    symbols = np.frombuffer(b"".join(words[i] for i in multi_byte), np.uint8).astype(np.int32)
+    symbols, word_offsets = _word_table([words[i] for i in multi_byte])
     counts = np.fromiter(word_counts.values(), np.int64, len(words))[multi_byte]
 
     learned = np.zeros(1, np.int64)
@@ -522,6 +483,13 @@ def _learn_merges(word_counts: Counter[str], n_new_tokens: int, on_progress: Cal
             on_progress(int(learned[0]))
         merges = future.result()
     return [tuple(pair) for pair in merges.tolist()], int(learned[0])
+
+
+def _word_table(words: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Words as the kernels take them: (L,) int32 bytes end to end, (W+1,) int64 offsets."""
+    offsets = np.zeros(len(words) + 1, np.int64)
+    np.cumsum(np.fromiter(map(len, words), np.int64, len(words)), out=offsets[1:])
+    return np.frombuffer(b"".join(words), np.uint8).astype(np.int32), offsets
 
 
 def _available_cores() -> int:

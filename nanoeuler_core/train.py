@@ -25,7 +25,7 @@ from nanoeuler_core.checkpoint import CheckpointError
 from nanoeuler_core.config import PRESETS, ModelConfig
 from nanoeuler_core.data import BatchLoader, check_length, default_corpus, load_tokens
 from nanoeuler_core.model import Model
-from nanoeuler_core.optim import AdamW, lr_at
+from nanoeuler_core.optim import AdamW, TrainStep, lr_at
 
 CHECKPOINT_FILES = ["optimizer.safetensors", "model.safetensors"]  # commit order: see checkpoint.recover
 
@@ -52,6 +52,8 @@ class TrainConfig:
     eval_batches: int = 8
     ckpt_every: int = 250
     val_fraction: float = 0.1
+    tf32: bool = True                   # CUDA: TF32 tensor-core matrix products (no effect on the CPU)
+    eager: bool = False                 # launch every kernel from Python instead of replaying a captured step
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -132,6 +134,7 @@ def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print
     cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size)
     train, val, unigram = _data(run_dir, tc, tok, cfg.ctx_len)
     model = Model(cfg, backend=tc.backend, seed=tc.seed)
+    model.backend.matmul_precision = "high" if tc.tf32 else "highest"
     optimizer = AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
                       max_grad_norm=tc.grad_clip)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +152,7 @@ def resume_run(run_dir: Path, overrides: dict, log: Callable[[str], None] = prin
     saved = checkpoint.read_json(run_dir / "config.json")
     tc = TrainConfig.from_dict({**saved.get("training", {}), **overrides})
     model, tok = load_model(run_dir, tc.backend)
+    model.backend.matmul_precision = "high" if tc.tf32 else "highest"
     optimizer = AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
                       max_grad_norm=tc.grad_clip)
     if (run_dir / "optimizer.safetensors").exists():
@@ -172,6 +176,8 @@ def load_model(run_dir: Path, backend: str = "cpu"):
     from nanoeuler_core.tokenizer import Tokenizer
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run directory {run_dir} does not exist")
     checkpoint.recover(run_dir, CHECKPOINT_FILES)
     model = Model.load(run_dir, backend=backend)
     tok = Tokenizer.load(run_dir / "tokenizer.json")
@@ -253,6 +259,7 @@ def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
     Ctrl-C lets the current step finish, saves a checkpoint and returns; a second Ctrl-C stops at once.
     """
     tc, model, opt = run.config, run.model, run.optimizer
+    train_step = TrainStep(model, opt, capture=not tc.eager)
     tokens_per_step = tc.batch_size * model.cfg.ctx_len
     progress = Progress(tc.steps)
     row: dict = {}
@@ -273,11 +280,10 @@ def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
             while opt.step_count < tc.steps and not interrupted:
                 step = opt.step_count + 1
                 t0 = time.perf_counter()
-                loss = model.loss_and_backward(*run.train_loader.batch(step))
+                lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)
+                loss, grad_norm = train_step(*run.train_loader.batch(step), lr)
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss became {loss} at step {step}: lower --lr or check the data")
-                lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)
-                grad_norm = opt.step(lr)
                 dt = time.perf_counter() - t0
                 row = {"step": step, "loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
                        "tokens_per_s": round(tokens_per_step / dt, 1),

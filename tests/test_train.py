@@ -210,7 +210,7 @@ def test_generate_checks_checkpoint_and_tokenizer(corpus_and_tokenizer, tmp_path
     train.train(run, quiet)
     ok = cli("generate", run_dir, "It was", "--max-new-tokens", 5, "--seed", 1)
     assert ok.returncode == 0 and ok.stdout.startswith("It was"), ok.stderr
-    Tokenizer.train("a small foreign text " * 50, 300).save(run_dir / "tokenizer.json")
+    Tokenizer.train(default_corpus().read_text(encoding="utf-8")[:20_000], 300).save(run_dir / "tokenizer.json")
     mismatch = cli("generate", run_dir, "It was")
     assert mismatch.returncode == 1 and "vocab_size 512" in mismatch.stderr and "300" in mismatch.stderr
     (run_dir / "model.safetensors").write_bytes(b"\x00" * 10)

@@ -24,7 +24,7 @@ def main() -> None:
     """
     try:
         app()
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, ArithmeticError) as exc:
         if os.environ.get("NANOEULER_DEBUG"):
             raise
         print(f"error: {exc}", file=sys.stderr)

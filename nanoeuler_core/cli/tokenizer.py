@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -39,10 +40,13 @@ def train(
     except UnicodeDecodeError as e:
         raise _fail(f"corpus {corpus} is not UTF-8 text (byte {e.start}): convert it to UTF-8 first") from None
 
-    with typer.progressbar(length=1, label="training", file=sys.stderr) as bar:
+    with contextlib.ExitStack() as stack:
+        bar = None
 
         def progress(done: int, total: int) -> None:
-            bar.length = total
+            nonlocal bar
+            if bar is None:  # opened on the first report, so bad arguments fail without a bar
+                bar = stack.enter_context(typer.progressbar(length=total, label="training", file=sys.stderr))
             bar.update(done - bar.pos)
 
         try:

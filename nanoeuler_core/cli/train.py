@@ -29,18 +29,20 @@ def pretrain(
     resume: Optional[Path] = typer.Option(None, help="continue the run in this directory (its settings are kept; "
                                                       "--steps and --backend may change)"),
     sample_prompt: str = typer.Option("\n", help="prompt of the sample printed at the end"),
+    tf32: bool = typer.Option(True, help="CUDA: TF32 tensor-core matrix products"),
+    eager: bool = typer.Option(False, help="CUDA: launch each kernel from Python instead of replaying the captured step"),
 ) -> None:
     """Pretrain a model; with no arguments, the `small` preset on the bundled corpus on the CPU."""
     log = lambda msg: typer.echo(msg, err=True)  # noqa: E731
     if resume is not None:
-        overrides = {"backend": backend} | ({"steps": steps} if steps is not None else {})
+        overrides = {"backend": backend, "tf32": tf32, "eager": eager} | ({"steps": steps} if steps is not None else {})
         run = training.resume_run(resume, overrides, log)
     else:
         tc = training.TrainConfig(preset=preset, backend=backend, corpus=str(corpus) if corpus else None,
                                   tokenizer=str(tokenizer) if tokenizer else None, steps=steps or 1000,
                                   batch_size=batch_size,
                                   lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
-                                  ckpt_every=ckpt_every)
+                                  ckpt_every=ckpt_every, tf32=tf32, eager=eager)
         run = training.start_run(out, tc, log)
     cfg = run.model.cfg
     log(f"run {run.dir}: {cfg.n_params():,} parameters ({run.config.preset}), backend {run.config.backend}, "

@@ -94,10 +94,13 @@ class Arena:
 
     @contextmanager
     def recording(self):
-        """Allocate as usual and remember each buffer (forgetting any earlier recording)."""
+        """Allocate as usual and remember each buffer (forgetting any earlier recording).
+
+        Yields the list of recorded buffers: whoever replays a graph over them must keep it alive.
+        """
         self._buffers, self._mode = [], "record"
         try:
-            yield
+            yield self._buffers
         finally:
             self._mode = "eager"
 
@@ -153,6 +156,19 @@ def fill(arr, value) -> None:
     """Set every element of a contiguous device array to `value`, on the current stream."""
     flat = arr.reshape(arr.size)
     launch(_fill, blocks_for(arr.size, 256), 256, flat, arr.dtype.type(value))
+
+
+@cuda.jit
+def _copy(dst, src):
+    # dst (n,) <- src (n,)
+    i = cuda.grid(1)
+    if i < dst.shape[0]:
+        dst[i] = src[i]
+
+
+def copy(dst, src) -> None:
+    """dst <- src for contiguous device arrays of one size, on the current stream (capturable)."""
+    launch(_copy, blocks_for(dst.size, 256), 256, dst.reshape(dst.size), src.reshape(src.size))
 
 
 # ---------------------------------------------------------------- reductions

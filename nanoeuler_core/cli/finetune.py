@@ -1,0 +1,145 @@
+"""Fine-tuning and chat commands: `sft`, `dpo`, `chat`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+
+from nanoeuler_core import checkpoint, dpo, sft
+from nanoeuler_core import train as training
+from nanoeuler_core.chat import Conversation
+from nanoeuler_core.cli.train import stream_text
+from nanoeuler_core.model import check_sampling
+
+
+def _log(msg: str) -> None:
+    typer.echo(msg, err=True)
+
+
+def _accuracy_line(name: str, overall: float, per_task: dict[str, float]) -> str:
+    tasks = ", ".join(f"{task} {value:.0%}" for task, value in per_task.items())
+    return f"{name}: exact match {overall:.1%}" + (f" ({tasks})" if len(per_task) > 1 else "")
+
+
+def sft_command(
+    base: Path = typer.Option(..., help="run directory of the pretrained model to start from"),
+    data: Optional[Path] = typer.Option(None, help="Alpaca JSON or JSONL file [default: the bundled tasks]"),
+    out: Path = typer.Option(Path("runs/sft"), help="run directory to create"),
+    steps: int = typer.Option(500, help="optimizer steps"),
+    batch_size: int = typer.Option(16, help="examples per step"),
+    lr: float = typer.Option(5e-4, help="peak learning rate"),
+    seed: int = typer.Option(0, help="seed of the example order"),
+    val_fraction: float = typer.Option(0.1, help="the last fraction of the examples held out for evaluation"),
+    eval_every: int = typer.Option(100, help="held-out loss every N steps"),
+    backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
+) -> None:
+    """Fine-tune a pretrained run on instructions; reports held-out exact match before and after."""
+    data = data or sft.bundled_tasks()
+    tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                              eval_every=eval_every, val_fraction=val_fraction)
+    run, heldout = sft.start_sft(base, data, out, tc, _log)
+    if heldout:
+        _log(_accuracy_line("base model on the held-out examples", *sft.exact_match(run.model, run.tok, heldout)))
+    row, interrupted = training.train(run, _log)
+    if interrupted:
+        raise typer.Exit(130)
+    _log(f"done: step {row['step']}, train loss {row['loss']:.3f}, held-out loss {row.get('val_loss', float('nan')):.3f}; "
+         f"run saved in {run.dir}")
+    if heldout:
+        typer.echo(_accuracy_line("fine-tuned model on the held-out examples", *sft.exact_match(run.model, run.tok, heldout)))
+    typer.echo(f"chat with it: nanoeuler-run chat {run.dir}")
+
+
+def dpo_command(
+    base: Path = typer.Option(..., help="run directory to align (usually an sft run)"),
+    data: Optional[Path] = typer.Option(None, help="JSONL of {instruction, chosen, rejected} pairs "
+                                                   "[default: the bundled pairs]"),
+    out: Path = typer.Option(Path("runs/dpo"), help="run directory to create"),
+    beta: float = typer.Option(0.1, help="DPO temperature: how far the policy may move from the reference"),
+    steps: int = typer.Option(200, help="optimizer steps"),
+    batch_size: int = typer.Option(8, help="pairs per step"),
+    lr: float = typer.Option(1e-4, help="peak learning rate"),
+    seed: int = typer.Option(0, help="seed of the pair order"),
+    val_fraction: float = typer.Option(0.1, help="the last fraction of the pairs held out for evaluation"),
+    eval_every: int = typer.Option(50, help="held-out preference accuracy every N steps"),
+    backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
+) -> None:
+    """Align a run with preference pairs (DPO); reports held-out preference accuracy before and after."""
+    data = data or dpo.bundled_pairs()
+    tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                              eval_every=eval_every, val_fraction=val_fraction)
+    trainer = dpo.start_dpo(base, data, out, tc, beta, _log)
+    heldout = trainer.heldout
+    if heldout is not None:
+        before = dpo.preference_metrics(heldout.reference, heldout.reference, beta)
+        _log(f"before DPO, held-out pairs: preference accuracy {before['accuracy']:.1%}")
+    try:
+        trainer.train(_log)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    if heldout is not None:
+        after = dpo.evaluate(trainer.run.model, heldout, beta, batch_size)
+        typer.echo(f"after DPO, held-out pairs: preference accuracy {after['accuracy']:.1%} "
+                   f"(before {before['accuracy']:.1%}), reward margin {after['reward_margin']:.3f}")
+    typer.echo(f"run saved in {trainer.run.dir}; chat with it: nanoeuler-run chat {trainer.run.dir}")
+
+
+def _lines(prompt: str) -> Iterator[str]:
+    """What the user types: with a prompt on a terminal, one line at a time from a pipe."""
+    if sys.stdin.isatty():
+        while True:
+            try:
+                yield input(prompt)
+            except EOFError:
+                typer.echo("", err=True)
+                return
+    else:
+        for line in sys.stdin:
+            yield line.rstrip("\r\n")
+
+
+def chat_command(
+    run_dir: Path = typer.Argument(..., help="a run directory (from sft or dpo; a pretrained run continues text)"),
+    max_new_tokens: int = typer.Option(100, help="tokens per reply at most"),
+    temperature: float = typer.Option(0.7, help="0 = greedy"),
+    top_k: Optional[int] = typer.Option(40, help="sample among the k most likely tokens"),
+    top_p: Optional[float] = typer.Option(None, help="sample among the most likely tokens holding this probability"),
+    seed: Optional[int] = typer.Option(None, help="seed for reproducible replies"),
+    backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
+) -> None:
+    """Talk to the model in RUN_DIR, one line per message; /reset starts over, /quit leaves."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    model, tok = training.load_model(run_dir, backend)
+    template = checkpoint.read_json(Path(run_dir) / "config.json").get("training", {}).get("template")
+    if template not in (None, sft.TEMPLATE):
+        raise ValueError(f"{run_dir} was fine-tuned with template '{template}', which this version does not know "
+                         f"(it knows '{sft.TEMPLATE}')")
+    mode = "a conversation in the Alpaca template" if template else "each line continued (a pretrained model)"
+    _log(f"{run_dir}: {mode}; /reset starts over, /quit leaves")
+    conversation = Conversation()
+    for turn, line in enumerate(_lines("> ")):
+        if line.strip() == "/quit":
+            break
+        if line.strip() == "/reset":
+            conversation.reset()
+            _log("(conversation cleared)")
+            continue
+        if not line.strip():
+            continue
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=None if seed is None else seed + turn, on_text=stream_text)
+        if template:
+            conversation.say(model, tok, line, **sampling)
+        else:
+            typer.echo(line, nl=False)
+            model.generate(tok, line, **sampling)
+        typer.echo("")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sft")(sft_command)
+    app.command("dpo")(dpo_command)
+    app.command("chat")(chat_command)

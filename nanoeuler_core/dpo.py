@@ -1,0 +1,201 @@
+"""Direct Preference Optimization (DPO): training on pairs of a preferred and a rejected response.
+
+A pair is a prompt (Alpaca instruction, optional input) with a `chosen` and a `rejected`
+response. Each response is scored by its summed log-probability (`</s>` included) under the
+policy being trained and under the reference model, the starting weights, frozen. The reference
+never changes, so its scores are computed once, before training. Each step:
+
+    logp = token_logprobs(chosen and rejected rows).sum(axis=1)     policy scores (2P,)
+    losses, saved = dpo_loss.forward(logp_chosen, logp_rejected, ref_chosen, ref_rejected, beta)
+    d_chosen, d_rejected = dpo_loss.backward(1 / P, saved, ...)     the registered op, by hand
+    logprob_backward(rows, weights = d_row on every response token)  gradient of the mean loss
+    AdamW step
+
+Evaluation on held-out pairs: preference accuracy (the policy scores the chosen response above
+the rejected one) and the mean reward margin beta * ((pc - rc) - (pr - rr)), which is 0 before
+training since the policy is the reference.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import orjson
+
+from nanoeuler_core import registry
+from nanoeuler_core.sft import TEMPLATE, Encoded, collate, encode_example, epoch_indices, new_run_from, \
+    read_records, render_prompt, split_heldout, text_fields
+from nanoeuler_core.optim import lr_at
+from nanoeuler_core.train import Progress, Run, TrainConfig, save_checkpoint
+
+
+@dataclass(frozen=True)
+class Pair:
+    instruction: str
+    input: str
+    chosen: str
+    rejected: str
+
+    @property
+    def prompt(self) -> str:
+        return render_prompt(self.instruction, self.input)
+
+
+def bundled_pairs() -> Path:
+    """The preference pairs shipped with the project, built from the bundled tasks."""
+    return Path(str(importlib.resources.files("nanoeuler_data") / "dpo_pairs.jsonl"))
+
+
+def load_pairs(path: Path) -> list[Pair]:
+    """Preference pairs from a JSON list or JSONL file: instruction (or prompt), optional input,
+    chosen, rejected."""
+    pairs = []
+    for where, item in read_records(path):
+        if "prompt" in item and "instruction" not in item:
+            item = {**item, "instruction": item["prompt"]}
+        fields = text_fields(item, where, ("instruction", "chosen", "rejected"), ("input",))
+        if fields["chosen"] == fields["rejected"]:
+            raise ValueError(f"{where}: 'chosen' and 'rejected' are the same response")
+        pairs.append(Pair(**fields))
+    return pairs
+
+
+@dataclass
+class EncodedPairs:
+    """Pairs as token sequences, with their reference scores (n, 2): chosen, rejected."""
+
+    chosen: list[Encoded]
+    rejected: list[Encoded]
+    pad_id: int
+    reference: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    def rows(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """inputs and targets (2P, T) of pairs `indices`: the chosen rows, then the rejected rows."""
+        indices = list(indices)
+        sequences = [self.chosen[i] for i in indices] + [self.rejected[i] for i in indices]
+        return collate(sequences, self.pad_id)
+
+
+def encode_pairs(tok, pairs: list[Pair], ctx_len: int) -> tuple[EncodedPairs, int]:
+    """The pairs as sequences, and how many sequences were truncated to fit the context."""
+    chosen = [encode_example(tok, p.prompt, p.chosen, ctx_len) for p in pairs]
+    rejected = [encode_example(tok, p.prompt, p.rejected, ctx_len) for p in pairs]
+    return EncodedPairs(chosen, rejected, tok.eos_id), sum(s.truncated for s in chosen + rejected)
+
+
+def sequence_logprobs(model, pairs: EncodedPairs, batch_size: int) -> np.ndarray:
+    """Summed response log-probabilities (n, 2) of every pair's chosen and rejected response."""
+    scores = np.empty((len(pairs), 2))
+    for start in range(0, len(pairs), batch_size):
+        indices = range(start, min(start + batch_size, len(pairs)))
+        logp = model.token_logprobs(*pairs.rows(indices)).sum(axis=1)
+        scores[start:start + len(indices)] = logp.reshape(2, -1).T
+    return scores
+
+
+def preference_metrics(scores: np.ndarray, reference: np.ndarray, beta: float) -> dict[str, float]:
+    """Preference accuracy (policy scores chosen above rejected), mean reward margin and DPO loss."""
+    margin = beta * ((scores[:, 0] - reference[:, 0]) - (scores[:, 1] - reference[:, 1]))
+    return {"accuracy": float(np.mean(scores[:, 0] > scores[:, 1])), "reward_margin": float(margin.mean()),
+            "loss": float(np.mean(np.logaddexp(0.0, -margin)))}
+
+
+def evaluate(model, pairs: EncodedPairs, beta: float, batch_size: int) -> dict[str, float]:
+    return preference_metrics(sequence_logprobs(model, pairs, batch_size), pairs.reference, beta)
+
+
+def loss_and_backward(model, loss_op, inputs, targets, reference: np.ndarray, beta: float) -> tuple[float, np.ndarray]:
+    """The mean DPO loss of P pairs, rows (2P, T) = chosen rows then rejected rows, reference
+    scores (P, 2); fills the model's gradient buffer with its gradient. Returns the loss and the
+    policy scores (P, 2)."""
+    be = model.backend
+    P = len(reference)
+    scores = model.token_logprobs(inputs, targets).sum(axis=1).reshape(2, P).T
+    args = tuple(be.asarray(np.ascontiguousarray(x)) for x in (scores[:, 0], scores[:, 1], reference[:, 0], reference[:, 1]))
+    losses, saved = loss_op.forward(*args, beta=beta)
+    d_chosen, d_rejected, _, _ = loss_op.backward(be.asarray(np.full(P, 1.0 / P)), saved, *args, beta=beta)
+    d_rows = np.concatenate([be.to_host(d_chosen), be.to_host(d_rejected)])  # d loss / d (row's summed log-prob)
+    model.logprob_backward(inputs, targets, np.repeat(d_rows[:, None], inputs.shape[1], axis=1))
+    return float(be.to_host(losses).mean()), scores
+
+
+class DPOTrainer:
+    """The DPO loop on a run whose model is the policy; `pairs.reference` holds the frozen scores."""
+
+    def __init__(self, run: Run, pairs: EncodedPairs, heldout: EncodedPairs | None, beta: float):
+        if not beta > 0:
+            raise ValueError(f"--beta must be positive, got {beta}")
+        self.run, self.pairs, self.heldout, self.beta = run, pairs, heldout, beta
+        self.loss_op = registry.op("dpo_loss").impl(run.model.backend_name)
+
+    def step(self, step: int) -> dict[str, float]:
+        """One update on the batch of pairs for `step`; returns its loss, accuracy and margin."""
+        tc = self.run.config
+        indices = epoch_indices(len(self.pairs), tc.batch_size, tc.seed, step)
+        reference = self.pairs.reference[indices]
+        loss, scores = loss_and_backward(self.run.model, self.loss_op, *self.pairs.rows(indices), reference, self.beta)
+        lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)
+        grad_norm = self.run.optimizer.step(lr)
+        metrics = preference_metrics(scores, reference, self.beta)
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "accuracy": metrics["accuracy"],
+                "reward_margin": metrics["reward_margin"]}
+
+    def train(self, log: Callable[[str], None] = print) -> dict:
+        """Train to `config.steps`, evaluating every `eval_every` steps and checkpointing every
+        `ckpt_every` and at the end; Ctrl-C saves the last finished step and re-raises."""
+        run, tc = self.run, self.run.config
+        progress = Progress(tc.steps)
+        start = time.perf_counter()
+        row: dict = {}
+        try:
+            with open(run.dir / "metrics.jsonl", "ab") as metrics:
+                for step in range(run.optimizer.step_count + 1, tc.steps + 1):
+                    row = {"step": step, **{k: round(v, 5) for k, v in self.step(step).items()}}
+                    if not math.isfinite(row["loss"]):
+                        raise FloatingPointError(f"DPO loss became {row['loss']} at step {step}: lower --lr or --beta")
+                    row["time"] = round(time.perf_counter() - start, 3)
+                    if self.heldout is not None and (step % tc.eval_every == 0 or step == tc.steps):
+                        held = evaluate(run.model, self.heldout, self.beta, tc.batch_size)
+                        row |= {f"val_{k}": round(v, 5) for k, v in held.items()}
+                    metrics.write(orjson.dumps(row) + b"\n")
+                    metrics.flush()
+                    progress.update(step, f"step {step}/{tc.steps} | loss {row['loss']:.3f} | "
+                                          f"batch accuracy {row['accuracy']:.2f} | margin {row['reward_margin']:.3f}")
+                    if step % tc.ckpt_every == 0 or step == tc.steps:
+                        save_checkpoint(run)
+        except KeyboardInterrupt:
+            save_checkpoint(run)
+            log(f"interrupted: step {run.optimizer.step_count} saved in {run.dir}")
+            raise
+        finally:
+            progress.close()
+        return row
+
+
+def start_dpo(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, beta: float,
+              log: Callable[[str], None] = print) -> DPOTrainer:
+    """A DPO run in `out_dir` from the run in `base_dir`, with the reference scores of every pair
+    computed from the starting weights; the last `tc.val_fraction` of the pairs are held out."""
+    train_pairs, heldout_pairs = split_heldout(load_pairs(data), tc.val_fraction)
+    model, tok, optimizer = new_run_from(base_dir, out_dir, tc, {"stage": "dpo", "template": TEMPLATE,
+                                                                 "beta": beta, "data": str(data)}, log)
+    ctx_len = model.cfg.ctx_len
+    train_enc, n_truncated = encode_pairs(tok, train_pairs, ctx_len)
+    heldout_enc, n_truncated_heldout = encode_pairs(tok, heldout_pairs, ctx_len) if heldout_pairs else (None, 0)
+    log(f"data {data}: {len(train_pairs)} training and {len(heldout_pairs)} held-out pairs"
+        + (f"; {n_truncated + n_truncated_heldout} sequences truncated from the prompt side to fit {ctx_len} tokens"
+           if n_truncated + n_truncated_heldout else ""))
+    for encoded in (train_enc, heldout_enc):
+        if encoded is not None:
+            encoded.reference = sequence_logprobs(model, encoded, tc.batch_size)
+    run = Run(Path(out_dir), tc, model, optimizer, tok, train_loader=None, val_loader=None, unigram_loss=float("nan"))
+    return DPOTrainer(run, train_enc, heldout_enc, beta)

@@ -1,0 +1,291 @@
+"""Supervised fine-tuning (SFT) on instruction data in the Alpaca format.
+
+Each example (instruction, optional input, output) is rendered with the standard Alpaca
+template; the response is the output followed by `</s>`. The model is trained on the whole
+sequence but the loss counts the response tokens only: every target that predicts a prompt
+token, and every padding target, is -1 (SPEC.md section 1). An example longer than the context
+loses tokens from the start of its prompt (the response is kept whole where it fits).
+
+    prompt ids                       response ids + </s>
+    [p0 p1 ... p(n-1)]               [r0 r1 ... </s>]
+    inputs  = p0 ... p(n-1) r0 ...   (the sequence minus its last token)
+    targets = -1 ... -1     r0 r1 ... </s>   (the sequence minus its first token; -1 before r0)
+
+Fine-tuning starts from a pretrained run directory and writes a new one in the same format, its
+config.json marking `"template": "alpaca"` so that `chat` wraps what the user types the same way.
+The last `val_fraction` of the examples are held out: validation loss and exact-match accuracy.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from nanoeuler_core import checkpoint
+from nanoeuler_core.config import PRESETS
+from nanoeuler_core.optim import AdamW
+from nanoeuler_core.train import Run, TrainConfig, load_model
+
+TEMPLATE = "alpaca"
+PREAMBLE = ("Below is an instruction that describes a task. "
+            "Write a response that appropriately completes the request.\n\n")
+PREAMBLE_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
+                       "context. Write a response that appropriately completes the request.\n\n")
+INSTRUCTION = "### Instruction:\n{}\n\n"
+INPUT = "### Input:\n{}\n\n"
+RESPONSE = "### Response:\n"
+IGNORE = -1
+
+
+def render_prompt(instruction: str, input: str = "") -> str:
+    """The Alpaca prompt of one example, ending where the response begins."""
+    if input:
+        return PREAMBLE_WITH_INPUT + INSTRUCTION.format(instruction) + INPUT.format(input) + RESPONSE
+    return PREAMBLE + INSTRUCTION.format(instruction) + RESPONSE
+
+
+# ------------------------------------------------------------------------------------------------
+# data files
+
+
+@dataclass(frozen=True)
+class Example:
+    instruction: str
+    input: str
+    output: str
+    task: str = ""  # optional label (the bundled tasks name theirs), for per-task accuracy
+
+    @property
+    def prompt(self) -> str:
+        return render_prompt(self.instruction, self.input)
+
+
+def bundled_tasks() -> Path:
+    """The instruction set shipped with the project (data/make_tasks.py writes it)."""
+    return Path(str(importlib.resources.files("nanoeuler_data") / "sft_tasks.jsonl"))
+
+
+def read_records(path: Path) -> list[tuple[str, dict]]:
+    """The JSON objects of a JSON list or JSONL file, each with where it came from ("FILE line N")."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"data file {path} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read data file {path}: {exc}") from None
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        records = [(f"{path} example {i}", item) for i, item in enumerate(items)]
+    else:
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append((f"{path} line {n}", json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {n}: not valid JSON ({exc.msg}); expected one JSON object a line") from None
+    if not records:
+        raise ValueError(f"{path} holds no examples")
+    for where, item in records:
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(item).__name__}")
+    return records
+
+
+def text_fields(item: dict, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, str]:
+    """The named string fields of a record: `required` ones non-empty, `optional` ones default ""."""
+    fields = {}
+    for name in required + optional:
+        value = item.get(name, "" if name in optional else None)
+        if value is None:
+            raise ValueError(f"{where}: missing field '{name}' (each example needs {', '.join(required)})")
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
+        if name in required and not value.strip():
+            raise ValueError(f"{where}: field '{name}' is empty")
+        fields[name] = value
+    return fields
+
+
+def load_examples(path: Path) -> list[Example]:
+    """Alpaca examples from a JSON list or a JSONL file: instruction, optional input, output."""
+    return [Example(**text_fields(item, where, ("instruction", "output"), ("input", "task")))
+            for where, item in read_records(path)]
+
+
+def split_heldout(items: list, val_fraction: float) -> tuple[list, list]:
+    """(training, held-out): the last `val_fraction` of the items are held out."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    n_heldout = int(round(len(items) * val_fraction))
+    if n_heldout == len(items):
+        n_heldout = 0  # too few items to hold any out
+    return items[:len(items) - n_heldout], items[len(items) - n_heldout:]
+
+
+# ------------------------------------------------------------------------------------------------
+# token sequences and batches
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One example as token ids: the prompt's `n_prompt` ids, then the response's ids and `</s>`."""
+
+    ids: np.ndarray  # int64, at most ctx_len + 1 long (ctx_len inputs and their targets)
+    n_prompt: int
+    truncated: bool
+
+
+def encode_example(tok, prompt: str, response: str, ctx_len: int) -> Encoded:
+    """Prompt and response as one sequence; if too long, prompt tokens go from the start (at least one
+    stays), then, for a response longer than the context, response tokens from the end."""
+    prompt_ids = tok.encode(prompt)
+    response_ids = tok.encode(response) + [tok.eos_id]
+    limit = ctx_len + 1
+    n_prompt = max(1, min(len(prompt_ids), limit - len(response_ids)))
+    ids = prompt_ids[len(prompt_ids) - n_prompt:] + response_ids[:limit - n_prompt]
+    truncated = len(ids) < len(prompt_ids) + len(response_ids)
+    return Encoded(np.array(ids, dtype=np.int64), n_prompt, truncated)
+
+
+def encode_examples(tok, examples: list[Example], ctx_len: int) -> tuple[list[Encoded], int]:
+    """Every example as a sequence, and how many of them were truncated to fit the context."""
+    sequences = [encode_example(tok, e.prompt, e.output, ctx_len) for e in examples]
+    return sequences, sum(s.truncated for s in sequences)
+
+
+def collate(sequences: list[Encoded], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """inputs (B, T) and targets (B, T), T = `length` or the longest sequence's length - 1; targets
+    that predict prompt tokens or padding are -1."""
+    T = length or max(len(s.ids) for s in sequences) - 1
+    inputs = np.full((len(sequences), T), pad_id, dtype=np.int64)
+    targets = np.full((len(sequences), T), IGNORE, dtype=np.int64)
+    for b, s in enumerate(sequences):
+        n = len(s.ids) - 1
+        inputs[b, :n] = s.ids[:-1]
+        targets[b, :n] = s.ids[1:]
+        targets[b, :s.n_prompt - 1] = IGNORE  # targets[t] is token t + 1: a prompt token while t + 1 < n_prompt
+    return inputs, targets
+
+
+def epoch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+    """The items of batch `step`: epochs visit all n items, each in an order drawn from (seed, epoch),
+    so the batch depends only on (seed, step) and a resumed run draws what an uninterrupted one would."""
+    positions = step * batch_size + np.arange(batch_size)
+    epochs = positions // n
+    indices = np.empty(batch_size, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        order = np.random.default_rng([seed, int(epoch)]).permutation(n)
+        in_epoch = epochs == epoch
+        indices[in_epoch] = order[positions[in_epoch] % n]
+    return indices
+
+
+class SFTLoader:
+    """Batches of fine-tuning sequences with the pretraining BatchLoader's interface: `batch(step)`
+    returns (inputs, targets) (B, T), the same for the same (seed, step).
+
+    Every batch is padded to the longest sequence of the set, so all have one shape (a backend
+    that captures the training step captures it once).
+    """
+
+    def __init__(self, sequences: list[Encoded], batch_size: int, ctx_len: int, seed: int, pad_id: int):
+        if not sequences:
+            raise ValueError("no examples to train on")
+        if batch_size < 1 or seed < 0:
+            raise ValueError(f"batch_size must be positive and seed non-negative, got {batch_size} and {seed}")
+        self.sequences = sequences
+        self.batch_size, self.ctx_len, self.seed, self.pad_id = batch_size, ctx_len, seed, pad_id
+        self.length = max(len(s.ids) for s in sequences) - 1
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        chosen = epoch_indices(len(self.sequences), self.batch_size, self.seed, step)
+        return collate([self.sequences[i] for i in chosen], self.pad_id, self.length)
+
+
+# ------------------------------------------------------------------------------------------------
+# runs
+
+
+def new_run_from(base_dir: Path, out_dir: Path, tc: TrainConfig, stage: dict, log: Callable[[str], None]):
+    """The base run's model and tokenizer, a fresh optimizer, and `out_dir` started as a new run
+    directory holding them; `stage` (what kind of fine-tuning, on which data) joins the training
+    section of its config.json. Returns (model, tok, optimizer)."""
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    if (out_dir / "config.json").exists():
+        raise ValueError(f"{out_dir} already holds a run: choose another --out")
+    if out_dir.resolve() == base_dir.resolve():
+        raise ValueError("--out must differ from --base: fine-tuning writes a new run directory")
+    model, tok = load_model(base_dir, tc.backend)
+    log(f"base {base_dir}: {model.cfg.n_params():,} parameters, context {model.cfg.ctx_len} tokens")
+    optimizer = AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
+                      max_grad_norm=tc.grad_clip)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(out_dir / "tokenizer.json")
+    model.save(out_dir, training={**asdict(tc), "base": str(base_dir), **stage})
+    (out_dir / "metrics.jsonl").write_bytes(b"")
+    return model, tok, optimizer
+
+
+def fine_tune_config(base_dir: Path, **settings) -> TrainConfig:
+    """The training settings of a fine-tuning run: `settings` (steps, batch_size, lr, ...) and the
+    base run's preset, checkpointing at the end."""
+    base_dir = Path(base_dir)
+    if not (base_dir / "config.json").is_file():
+        raise checkpoint.CheckpointError(f"base run {base_dir} not found: pass --base a run directory "
+                                         f"written by pretrain, sft or dpo")
+    preset = checkpoint.read_json(base_dir / "config.json").get("training", {}).get("preset")
+    return TrainConfig(preset=preset if preset in PRESETS else "small", ckpt_every=settings.get("steps", 1000),
+                       **settings)
+
+
+def start_sft(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print
+              ) -> tuple[Run, list[Example]]:
+    """A fine-tuning run in `out_dir` from the run in `base_dir`, ready for `train.train`; returns
+    it with the held-out examples (the last `tc.val_fraction` of the data file)."""
+    examples = load_examples(data)
+    train_examples, heldout = split_heldout(examples, tc.val_fraction)
+    model, tok, optimizer = new_run_from(base_dir, out_dir, tc, {"stage": "sft", "template": TEMPLATE,
+                                                                 "data": str(data)}, log)
+    ctx_len = model.cfg.ctx_len
+    train_seqs, n_truncated = encode_examples(tok, train_examples, ctx_len)
+    heldout_seqs, n_truncated_heldout = encode_examples(tok, heldout, ctx_len)
+    log(f"data {data}: {len(train_examples)} training and {len(heldout)} held-out examples"
+        + (f"; {n_truncated + n_truncated_heldout} truncated from the prompt side to fit {ctx_len} tokens"
+           if n_truncated + n_truncated_heldout else ""))
+    train_loader = SFTLoader(train_seqs, tc.batch_size, ctx_len, tc.seed, tok.eos_id)
+    val_loader = SFTLoader(heldout_seqs, tc.batch_size, ctx_len, tc.seed + 1, tok.eos_id) if heldout else None
+    return Run(Path(out_dir), tc, model, optimizer, tok, train_loader, val_loader, float("nan")), heldout
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluation
+
+
+def answer(model, tok, example: Example, max_new_tokens: int) -> str:
+    """The model's greedy response to the example's prompt, up to `</s>`."""
+    return model.generate(tok, example.prompt, max_new_tokens=max_new_tokens, temperature=0.0)
+
+
+def exact_match(model, tok, examples: list[Example]) -> tuple[float, dict[str, float]]:
+    """Fraction of examples whose greedy response equals the expected output (surrounding
+    whitespace ignored), overall and per task label."""
+    if not examples:
+        raise ValueError("no held-out examples to evaluate: raise --val-fraction or add examples")
+    hits: dict[str, list[bool]] = {}
+    for e in examples:
+        expected = e.output.strip()
+        reply = answer(model, tok, e, max_new_tokens=len(tok.encode(expected)) + 2)  # room for </s> and a stray space
+        hits.setdefault(e.task or "all", []).append(reply.strip() == expected)
+    every = [h for task_hits in hits.values() for h in task_hits]
+    return float(np.mean(every)), {task: float(np.mean(h)) for task, h in sorted(hits.items())}
