@@ -63,7 +63,10 @@ def hf_measure(text_path: str, tokenizer_path: str, vocab_size: int) -> dict:
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size,
+        special_tokens=["</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     train_s, _ = timed(lambda: hf.train_from_iterator(text.splitlines(keepends=True), trainer))
     encoder = tokenizers.Tokenizer.from_file(tokenizer_path)
@@ -98,7 +101,7 @@ def bytes_per_token(corpus: str, vocab_size: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mb", type=float, default=10.0, help="size of the training sample and of the encoded text, in MB")
+    parser.add_argument("--mb", type=float, default=10.0, help="MB of text to train on and to encode")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     args = parser.parse_args()
@@ -107,8 +110,8 @@ def main() -> None:
     text = bench_text(corpus, args.mb)
     megabytes = len(text.encode()) / 1e6
     repeats = megabytes * 1e6 / len(corpus.encode())
-    print(f"text: {megabytes:.1f} MB = {args.corpus.name} ({len(corpus.encode()) / 1e6:.2f} MB) repeated {repeats:.1f} times; "
-          f"{os.cpu_count()} cores")
+    print(f"text: {megabytes:.1f} MB = {args.corpus.name} ({len(corpus.encode()) / 1e6:.2f} MB) "
+          f"repeated {repeats:.1f} times; {os.cpu_count()} cores")
 
     compile_s, _ = timed(lambda: Tokenizer.train(corpus[:20_000], 300))  # Numba compile or cache load
     train_s, tok = timed(lambda: Tokenizer.train(text, args.vocab_size))
@@ -139,9 +142,9 @@ def main() -> None:
     ]
     if tiktoken_s is not None:
         rows.append(("encode", "tiktoken gpt2", "1 thread", tiktoken_s, hf_one["encode_s"]))
-    print(f"\n{'task':7} {'implementation':31} {'threads':15} {'seconds':>8} {'MB/s':>7} {'HF 1-thread time / this':>24}")
+    print(f"\n{'task':7} {'implementation':31} {'threads':15} {'seconds':>8} {'MB/s':>7} {'speed vs HF 1 thread':>21}")
     for task, name, threads, seconds, hf_seconds in rows:
-        print(f"{task:7} {name:31} {threads:15} {seconds:8.2f} {megabytes / seconds:7.1f} {hf_seconds / seconds:24.2f}")
+        print(f"{task:7} {name:31} {threads:15} {seconds:8.2f} {megabytes / seconds:7.1f} {hf_seconds / seconds:20.2f}x")
     if tiktoken_s is None:
         print("tiktoken: not installed, skipped")
     print(f"nanoeuler first training call in this process (Numba compile or cache load): {compile_s:.2f} s")
@@ -149,7 +152,7 @@ def main() -> None:
     print(f"\nbytes per token on {args.corpus.name}:")
     for vocab_size in (512, 4096):
         print(f"  {vocab_size:5} entries: {bytes_per_token(corpus, vocab_size):.2f}")
-    print(f"  {args.vocab_size:5} entries trained on the {megabytes:.0f} MB text, on it: {len(text.encode()) / len(ids):.2f}")
+    print(f"  {args.vocab_size:5} entries from the {megabytes:.0f} MB text, on it: {len(text.encode()) / len(ids):.2f}")
 
 
 if __name__ == "__main__":

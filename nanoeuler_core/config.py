@@ -89,3 +89,9 @@ class ModelConfig:
                 size *= s
             total += size
         return total
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token as nanoGPT's estimate_mfu counts them: 6 per matrix weight
+        (embedding and norms excluded) plus 12 L C T for the attention scores."""
+        n_matmul = self.n_params() - self.vocab_size * self.dim - (2 * self.n_layers + 1) * self.dim
+        return 6 * n_matmul + 12 * self.n_layers * self.dim * self.ctx_len

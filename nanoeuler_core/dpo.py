@@ -132,8 +132,6 @@ class DPOTrainer:
     """The DPO loop on a run whose model is the policy; `pairs.reference` holds the frozen scores."""
 
     def __init__(self, run: Run, pairs: EncodedPairs, heldout: EncodedPairs | None, beta: float):
-        if not beta > 0:
-            raise ValueError(f"--beta must be positive, got {beta}")
         self.run, self.pairs, self.heldout, self.beta = run, pairs, heldout, beta
         self.loss_op = registry.op("dpo_loss").impl(run.model.backend_name)
 
@@ -185,6 +183,8 @@ def start_dpo(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, beta: 
               log: Callable[[str], None] = print) -> DPOTrainer:
     """A DPO run in `out_dir` from the run in `base_dir`, with the reference scores of every pair
     computed from the starting weights; the last `tc.val_fraction` of the pairs are held out."""
+    if not beta > 0:
+        raise ValueError(f"--beta must be positive, got {beta}")
     train_pairs, heldout_pairs = split_heldout(load_pairs(data), tc.val_fraction)
     model, tok, optimizer = new_run_from(base_dir, out_dir, tc, {"stage": "dpo", "template": TEMPLATE,
                                                                  "beta": beta, "data": str(data)}, log)

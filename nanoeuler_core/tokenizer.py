@@ -171,7 +171,9 @@ class Tokenizer:
                 raise TokenizerError(f"merge {rank} ({left}, {right}) uses a token id not defined before it")
             spelling = self._token_bytes[left] + self._token_bytes[right]
             if spelling in id_of_bytes:
-                raise TokenizerError(f"merge {rank} ({left}, {right}) spells {spelling!r}, already token {id_of_bytes[spelling]}")
+                raise TokenizerError(
+                    f"merge {rank} ({left}, {right}) spells {spelling!r}, already token {id_of_bytes[spelling]}"
+                )
             id_of_bytes[spelling] = len(self._token_bytes)
             self._token_bytes.append(spelling)
             self._merges.append((left, right))
@@ -182,9 +184,11 @@ class Tokenizer:
 
         self._specials = _check_special_tokens(special_tokens)
         learned_spellings = {_hf_spelling(token) for token in self._token_bytes}
-        for offset, special in enumerate(self._specials):
+        for special in self._specials:
             if special in learned_spellings:
-                raise TokenizerError(f"special token {special!r} is also an ordinary token: pick one such as '<|{special}|>'")
+                raise TokenizerError(
+                    f"special token {special!r} is also an ordinary token: pick one such as '<|{special}|>'"
+                )
             self._specials[special] = len(self._token_bytes)
             self._token_bytes.append(special.encode())
         self._special_patterns: dict[frozenset[str], re.Pattern] = {}
@@ -266,11 +270,11 @@ class Tokenizer:
             word_counts.update(pretokenize(chunk))
             report(i + 1, total_work)
 
-        merges, n_learned = _learn_merges(word_counts, n_new_tokens, lambda n: report(len(chunks) + n, total_work))
-        if n_learned < n_new_tokens:
+        merges = _learn_merges(word_counts, n_new_tokens, lambda n: report(len(chunks) + n, total_work))
+        if len(merges) < n_new_tokens:
             raise TokenizerError(
-                f"the corpus yields only {n_learned} merges but vocab_size {vocab_size} needs {n_new_tokens}: "
-                f"use a larger corpus (or sample) or a vocab_size of at most {N_BYTES + len(specials) + n_learned}"
+                f"the corpus yields only {len(merges)} merges but vocab_size {vocab_size} needs {n_new_tokens}: "
+                f"use a larger corpus (or sample) or a vocab_size of at most {N_BYTES + len(specials) + len(merges)}"
             )
         return cls(merges, list(specials))
 
@@ -322,12 +326,16 @@ class Tokenizer:
     def _allowed_specials(self, allowed_special: Iterable[str] | str) -> frozenset[str]:
         if isinstance(allowed_special, str):
             if allowed_special != "all":
-                raise TokenizerError(f"allowed_special must be 'all' or a set of special tokens, not {allowed_special!r}")
+                raise TokenizerError(
+                    f"allowed_special must be 'all' or a set of special tokens, not {allowed_special!r}"
+                )
             return frozenset(self._specials)
         allowed = frozenset(allowed_special)
         unknown = allowed - self._specials.keys()
         if unknown:
-            raise TokenizerError(f"unknown special token(s) {sorted(unknown)}; this tokenizer has {list(self._specials)}")
+            raise TokenizerError(
+                f"unknown special token(s) {sorted(unknown)}; this tokenizer has {list(self._specials)}"
+            )
         return allowed
 
     def _encode_ordinary(self, text: str) -> list[int]:
@@ -340,7 +348,8 @@ class Tokenizer:
             symbols, offsets = _word_table([word.encode("utf-8", "surrogateescape") for word in missing])
             lengths = bpe_kernels.apply_merges(symbols, offsets, self._pair_keys, self._pair_ranks)
             ids = symbols.tolist()
-            cache.update(zip(missing, (tuple(ids[start : start + n]) for start, n in zip(offsets.tolist(), lengths.tolist()))))
+            starts = offsets.tolist()
+            cache.update(zip(missing, (tuple(ids[start : start + n]) for start, n in zip(starts, lengths.tolist()))))
         return list(itertools.chain.from_iterable(map(cache.__getitem__, words)))
 
     # --- decoding ------------------------------------------------------------------------------
@@ -358,7 +367,9 @@ class Tokenizer:
     def _check_ids(self, ids: list[int]) -> None:
         if ids and not (0 <= min(ids) and max(ids) < len(self._token_bytes)):
             bad = next(i for i in ids if not 0 <= i < len(self._token_bytes))
-            raise TokenizerError(f"token id {bad} is out of range: this tokenizer has ids 0 to {len(self._token_bytes) - 1}")
+            raise TokenizerError(
+                f"token id {bad} is out of range: this tokenizer has ids 0 to {len(self._token_bytes) - 1}"
+            )
 
     # --- files ---------------------------------------------------------------------------------
 
@@ -374,7 +385,8 @@ class Tokenizer:
             "truncation": None,
             "padding": None,
             "added_tokens": [
-                {"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+                {"id": i, "content": s, "special": True, "normalized": False,
+                 "single_word": False, "lstrip": False, "rstrip": False}
                 for s, i in self._specials.items()
             ],
             "normalizer": None,
@@ -415,7 +427,9 @@ class Tokenizer:
         except OSError as e:
             raise TokenizerError(f"cannot read tokenizer file {path}: {e.strerror or e}") from None
         except orjson.JSONDecodeError as e:
-            raise TokenizerError(f"{path} is not valid JSON ({e}): pass a tokenizer.json written by nanoeuler") from None
+            raise TokenizerError(
+                f"{path} is not valid JSON ({e}): pass a tokenizer.json written by nanoeuler"
+            ) from None
         return cls.from_hf_json(document, source=str(path))
 
     @classmethod
@@ -433,14 +447,16 @@ class Tokenizer:
         model, pre_tokenizer = document["model"], document.get("pre_tokenizer") or {}
         require(model.get("type") == "BPE", f"holds a {model.get('type')!r} model, not BPE")
         require(
-            pre_tokenizer.get("type") == "ByteLevel" and pre_tokenizer.get("use_regex", True) and not pre_tokenizer.get("add_prefix_space"),
+            pre_tokenizer.get("type") == "ByteLevel"
+            and pre_tokenizer.get("use_regex", True)
+            and not pre_tokenizer.get("add_prefix_space"),
             "does not split text with the byte-level GPT-2 pre-tokenizer",
         )
         require(document.get("normalizer") is None, "normalizes text before splitting it")
-        require(not model.get("ignore_merges") and not model.get("dropout"), "uses BPE options nanoeuler does not implement")
+        require(not model.get("ignore_merges") and not model.get("dropout"), "uses BPE options nanoeuler lacks")
         vocab, merges = model.get("vocab"), model.get("merges")
         require(isinstance(vocab, dict) and isinstance(merges, list), "lacks a vocab or merges list")
-        require(all(vocab.get(BYTE_TO_CHAR[b]) == b for b in range(N_BYTES)), "does not give ids 0-255 to the 256 bytes in order")
+        require(all(vocab.get(BYTE_TO_CHAR[b]) == b for b in range(N_BYTES)), "does not give ids 0-255 to the bytes")
         try:
             pairs = [merge.split(" ") if isinstance(merge, str) else merge for merge in merges]
             merge_ids = [(vocab[left], vocab[right]) for left, right in pairs]
@@ -467,8 +483,10 @@ def _check_special_tokens(special_tokens: Sequence[str]) -> dict[str, int]:
     return dict.fromkeys(special_tokens, -1)
 
 
-def _learn_merges(word_counts: Counter[str], n_new_tokens: int, on_progress: Callable[[int], None]) -> tuple[list[tuple[int, int]], int]:
-    """Run the Numba merge loop on a word-frequency table; return (merges, tokens learned)."""
+def _learn_merges(
+    word_counts: Counter[str], n_new_tokens: int, on_progress: Callable[[int], None]
+) -> list[tuple[int, int]]:
+    """Run the Numba merge loop on a word-frequency table; return up to `n_new_tokens` merges."""
     words = [word.encode("utf-8", "surrogateescape") for word in word_counts]
     multi_byte = [i for i, word in enumerate(words) if len(word) > 1]  # single bytes hold no pairs
     symbols, word_offsets = _word_table([words[i] for i in multi_byte])
@@ -478,11 +496,12 @@ def _learn_merges(word_counts: Counter[str], n_new_tokens: int, on_progress: Cal
     # The kernel releases the GIL, so this thread reports progress while another runs it.
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(bpe_kernels.learn_merges, symbols, word_offsets, counts, n_new_tokens, learned)
-        while not future.done():
-            wait([future], timeout=0.1)
+        finished = False
+        while not finished:
+            finished = bool(wait([future], timeout=0.1).done)
             on_progress(int(learned[0]))
         merges = future.result()
-    return [tuple(pair) for pair in merges.tolist()], int(learned[0])
+    return [tuple(pair) for pair in merges.tolist()]
 
 
 def _word_table(words: list[bytes]) -> tuple[np.ndarray, np.ndarray]:

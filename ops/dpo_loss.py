@@ -5,7 +5,7 @@ Shapes: policy_chosen, policy_rejected, ref_chosen, ref_rejected (P,) -> losses 
 weight (P,). With the implicit reward margin
 
     z = beta * ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected))
-    losses = -log sigmoid(z) = log(1 + exp(-z))          (computed as max(-z, 0) + log1p(exp(-|z|)))
+    losses = -log sigmoid(z) = log(1 + exp(-z))         (never overflowing: max(-z, 0) + log1p(exp(-|z|)))
 
 Backward, with weight = sigmoid(-z) = 1 - sigmoid(z), saved by the forward:
 
@@ -32,8 +32,8 @@ def check_pairs(*logprobs):
 def forward(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta):
     check_pairs(policy_chosen, policy_rejected, ref_chosen, ref_rejected)
     z = beta * ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected))
-    losses = np.maximum(-z, 0.0) + np.log1p(np.exp(-np.abs(z)))
-    weight = 1.0 / (1.0 + np.exp(z))
+    losses = np.logaddexp(0.0, -z)
+    weight = np.exp(-np.logaddexp(0.0, z))  # 1 / (1 + exp(z)) without overflow
     return losses, (weight,)
 
 

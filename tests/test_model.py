@@ -155,11 +155,7 @@ def test_sample_token_filters():
 
 def test_matches_pytorch_where_installed():
     torch = pytest.importorskip("torch")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from torch_model import TorchModel
+    from nanoeuler_core.torch_peer import TorchModel
 
     cfg = tiny_config()
     model = Model(cfg, backend="reference", seed=7)

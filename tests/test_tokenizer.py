@@ -147,7 +147,10 @@ def test_compresses_like_hugging_face(shakespeare_512):
     hf = tokenizers.Tokenizer(tokenizers.models.BPE())
     hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["</s>"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=512,
+        special_tokens=["</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     hf.train_from_iterator([CORPUS], trainer)
     assert len(shakespeare_512.encode(CORPUS)) <= 1.01 * len(hf.encode(CORPUS).ids)
@@ -252,7 +255,9 @@ def tampered(document: dict, change: str) -> bytes:
     return orjson.dumps(document)
 
 
-@pytest.mark.parametrize("change", ["word piece", "no byte level", "bytes out of order", "ids not from merges", "unknown merge part"])
+@pytest.mark.parametrize(
+    "change", ["word piece", "no byte level", "bytes out of order", "ids not from merges", "unknown merge part"]
+)
 def test_load_rejects_foreign_files(multilingual, tmp_path, change):
     path = tmp_path / "tokenizer.json"
     path.write_bytes(tampered(multilingual.to_hf_json(), change))

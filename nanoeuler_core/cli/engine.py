@@ -65,6 +65,77 @@ def gradcheck_cmd(
     typer.echo("gradcheck passed")
 
 
+def selftest(
+    backend: str = typer.Option("cuda", help="the backend to test against its CPU twin"),
+    seed: int = typer.Option(0, help="seed for the inputs"),
+) -> None:
+    """Every kernel of BACKEND against the CPU, then the `small` model's gradients (TF32 off and on)
+    and the captured training step against the eager one."""
+    from nanoeuler_core.config import ModelConfig
+
+    be = registry.backend(backend)
+    if backend == "cpu" or not be.available():
+        raise ValueError(f"selftest compares a backend with the CPU: '{backend}' is not usable here")
+    failures = 0
+    typer.echo(f"== ops: {backend} vs cpu (and the reference), forward and backward")
+    for name, op in sorted(registry.ops().items()):
+        if backend not in op.backends:
+            typer.echo(f"skip {name:<14} (no {backend} implementation)")
+            continue
+        checks = [c for c in gradcheck.check_op(op, ["cpu", backend], seed=seed) if c.b != "finite diff"]
+        bad = [c for c in checks if not c.ok]
+        failures += len(bad)
+        typer.echo(f"{'ok  ' if not bad else 'FAIL'} {name:<14} {len(checks):>3} checks, largest difference "
+                   f"{max(c.max_abs for c in checks):.1e}")
+        for c in bad:
+            typer.echo("  " + c.line())
+    small = ModelConfig.preset("small")
+    for precision, bound in (("highest", 1e-5), ("high", 5e-3)):
+        be.matmul_precision = precision
+        label = "TF32 on" if precision == "high" else "TF32 off"
+        typer.echo(f"== model `small`: {backend} gradients vs cpu, {label} (bound {bound:.0e} of each tensor's scale)")
+        for c in gradcheck.check_model_backend(backend, seed, against="cpu", cfg=small, batch_size=4, bound=bound):
+            failures += not c.ok
+            typer.echo(c.line())
+    be.matmul_precision = "highest"
+    typer.echo("== training step: captured and replayed vs launched eagerly")
+    check = gradcheck.check_graph_replay(backend, small)
+    failures += not check.ok
+    typer.echo(check.line())
+    if failures:
+        typer.echo(f"selftest FAILED: {failures} check(s) out of bounds", err=True)
+        raise typer.Exit(1)
+    typer.echo("selftest passed")
+
+
+def bench(
+    preset: str = typer.Option("small", help="model preset"),
+    backend: str = typer.Option("cpu", help="cpu or cuda"),
+    batch_size: int = typer.Option(8, help="sequences per step"),
+    steps: int = typer.Option(20, help="timed steps"),
+    warmup: int = typer.Option(3, help="untimed steps first (compilation, graph capture)"),
+    tf32: bool = typer.Option(True, help="CUDA: TF32 tensor-core matrix products, in both engines"),
+    profile: bool = typer.Option(False, help="also time each op in an eager step"),
+    peers: bool = typer.Option(True, help="compare with PyTorch where it is installed"),
+    startup: bool = typer.Option(False, help="also time a cold (empty kernel cache) and a warm start"),
+) -> None:
+    """Training tokens/s, model FLOPs utilisation and peak memory, against PyTorch on the same machine."""
+    import tempfile
+
+    from nanoeuler_core import bench as benchmark
+
+    if registry.backend(backend).name == "reference" or steps < 1 or batch_size < 1:
+        raise ValueError("bench needs --backend cpu or cuda, and positive --steps and --batch-size")
+    if startup:
+        with tempfile.TemporaryDirectory() as cache:
+            cold, warm = benchmark.start_time(cache), benchmark.start_time(cache)
+        typer.echo(f"start of a small forward+backward on the CPU: cold {cold:.1f} s (compiling kernels), "
+                   f"warm {warm:.1f} s (cached kernels)")
+    benchmark.run(preset, backend, batch_size, steps, warmup, tf32, profile, peers, echo=typer.echo)
+
+
 def register(app: typer.Typer) -> None:
     app.command("ops")(ops)
     app.command("gradcheck")(gradcheck_cmd)
+    app.command("selftest")(selftest)
+    app.command("bench")(bench)

@@ -10,7 +10,9 @@ import typer
 
 from nanoeuler_core.tokenizer import Tokenizer, TokenizerError
 
-app = typer.Typer(help="Train a byte-level BPE tokenizer (tokenizer.json) and encode or decode text with it.", no_args_is_help=True)
+app = typer.Typer(
+    help="Train a byte-level BPE tokenizer (tokenizer.json) and encode or decode text with it.", no_args_is_help=True
+)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -28,9 +30,11 @@ def _load(path: Path) -> Tokenizer:
 @app.command()
 def train(
     corpus: Path = typer.Argument(..., help="UTF-8 text file to learn merges from."),
-    vocab_size: int = typer.Option(..., "--vocab-size", help="Total ids: 256 bytes, learned tokens and special tokens."),
+    vocab_size: int = typer.Option(..., "--vocab-size", help="Total ids: 256 bytes, learned and special tokens."),
     out: Path = typer.Option(Path("tokenizer.json"), "--out", help="Where to write the tokenizer."),
-    sample_bytes: int | None = typer.Option(None, "--sample-bytes", help="Learn from evenly spaced pieces of the corpus totalling about this many bytes."),
+    sample_bytes: int | None = typer.Option(
+        None, "--sample-bytes", help="Learn from evenly spaced pieces of the corpus totalling about this many bytes."
+    ),
 ) -> None:
     """Learn a tokenizer from CORPUS and write it as a Hugging Face tokenizer.json."""
     try:

@@ -18,7 +18,7 @@ def _forward(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, los
     if p < losses.shape[0]:
         z = beta * ((float64(policy_chosen[p]) - ref_chosen[p]) - (float64(policy_rejected[p]) - ref_rejected[p]))
         losses[p] = max(-z, 0.0) + math.log1p(math.exp(-abs(z)))
-        weight[p] = 1.0 / (1.0 + math.exp(z)) if z > -700.0 else 1.0  # sigmoid(-z); exp overflows past 709
+        weight[p] = 1.0 / (1.0 + math.exp(z))  # sigmoid(-z); exp(z) = inf for large z gives 0, as it should
 
 
 @cuda.jit

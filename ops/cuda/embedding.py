@@ -1,17 +1,19 @@
 """Token embedding on the GPU. See nanoeuler_ops/embedding.py for the math.
 
-The backward scatters with atomic adds: rows of repeated ids add up without races, at the cost
-of a summation order (and so the last bits of dtable) that can vary from run to run.
+The backward gives each table row to one thread block, which scans the ids in order and adds
+the matching rows of dout: no atomics, so the sum's order, and dtable to the last bit, is the
+same on every run (a replayed CUDA graph and the eager step agree exactly).
 Ids outside [0, V) raise ValueError in eager mode; while a CUDA graph is captured they are not
 checked on the host, and the kernels skip them (zero rows out, nothing added).
 """
 
-from numba import cuda
+from numba import cuda, int64
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.embedding import check_ids
 
 THREADS = 256
+CHUNK = 1024  # ids staged in shared memory at a time by the backward
 
 
 @cuda.jit
@@ -27,14 +29,21 @@ def _forward(ids, table, out):
 
 @cuda.jit
 def _backward(ids, dout, dtable):
-    # ids (N,), dout (N, C) -> dtable (V, C) += dout scattered by id; dtable zeroed before
-    i = cuda.grid(1)
+    # ids (N,), dout (N, C) -> dtable (V, C), zeroed before; block v owns row v: it scans the ids,
+    # CHUNK at a time through shared memory, and adds dout[n] for every n with ids[n] == v, in order
+    v = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
     N, C = dout.shape
-    if i < N * C:
-        n, c = i // C, i % C
-        row = ids[n]
-        if 0 <= row < dtable.shape[0]:
-            cuda.atomic.add(dtable, (row, c), dout[n, c])
+    chunk = cuda.shared.array(CHUNK, int64)
+    for start in range(0, N, CHUNK):
+        cuda.syncthreads()
+        for i in range(tid, CHUNK, THREADS):
+            chunk[i] = ids[start + i] if start + i < N else -1
+        cuda.syncthreads()
+        for i in range(min(CHUNK, N - start)):
+            if chunk[i] == v:
+                for c in range(tid, C, THREADS):
+                    dtable[v, c] += dout[start + i, c]
 
 
 def forward(ids, table):
@@ -46,5 +55,5 @@ def forward(ids, table):
 
 def backward(dout, saved, ids, table):
     dtable = runtime.zeros(table.shape, table.dtype)
-    runtime.launch(_backward, runtime.blocks_for(dout.size, THREADS), THREADS, ids, dout, dtable)
+    runtime.launch(_backward, table.shape[0], THREADS, ids, dout, dtable)
     return None, dtable

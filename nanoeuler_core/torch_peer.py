@@ -1,4 +1,4 @@
-"""The nanoeuler architecture in PyTorch, for speed comparisons only (the engine never imports torch).
+"""The nanoeuler architecture in PyTorch, the peer of `nanoeuler-run bench` (the engine never imports it).
 
 Same math as SPEC.md section 1 and the same parameter names and layout, so
 `TorchModel(cfg).load(model.params)` runs the very weights of a nanoeuler model.
@@ -83,9 +83,3 @@ class TorchModel(torch.nn.Module):
 
     def logits(self, ids):
         return self.hidden(ids) @ self.w("heads.0").T
-
-
-def flops_per_token(cfg) -> float:
-    """Training FLOPs per token as nanoGPT's estimate_mfu counts them: 6 per matmul weight + 12 L C T for attention."""
-    n_matmul = cfg.n_params() - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim  # no embedding, no norms
-    return 6 * n_matmul + 12 * cfg.n_layers * cfg.dim * cfg.ctx_len

@@ -1,0 +1,220 @@
+"""Training speed of the engine against PyTorch on the same model, batch and machine.
+
+Each engine runs in its own process, so thread pools, compilation caches and peak memory stay
+separate: nanoeuler (its captured training step: forward, backward, clipping, AdamW), then,
+where torch is installed, the same architecture in PyTorch (eager, and with torch.compile on a
+GPU), with the same AdamW settings. Times are medians over the timed steps after warm-up, with
+the device synchronised around each step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+# Dense tensor-core / FP32 peaks (vendor datasheets, SXM parts), for model FLOPs utilisation.
+PEAK_TFLOPS = {"H100": {"tf32": 494.7, "fp32": 66.9}, "H200": {"tf32": 494.7, "fp32": 66.9}}
+
+
+def _batch(cfg, batch_size: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, cfg.vocab_size, (batch_size, cfg.ctx_len + 1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _device_memory_mb() -> float:
+    """Device memory in use on the current GPU (total - free, the figure nvidia-smi shows)."""
+    from numba import cuda
+
+    free, total = cuda.current_context().get_memory_info()
+    return (total - free) / 2**20
+
+
+def worker_nanoeuler(preset: str, backend: str, batch_size: int, steps: int, warmup: int, tf32: bool,
+                     profile: bool) -> dict:
+    from nanoeuler_core import Model, ModelConfig
+    from nanoeuler_core.optim import AdamW, TrainStep
+
+    cfg = ModelConfig.preset(preset)
+    model = Model(cfg, backend=backend, seed=0)
+    model.backend.matmul_precision = "high" if tf32 else "highest"
+    step = TrainStep(model, AdamW(model))
+    inputs, targets = _batch(cfg, batch_size)
+    times, memory = [], 0.0
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        step(inputs, targets, 1e-4)
+        model.backend.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+        if backend == "cuda":
+            memory = max(memory, _device_memory_mb())
+    result = {"median_s": statistics.median(times), "memory_mb": memory or _peak_rss_mb()}
+    if profile:
+        result["ops"] = profile_ops(model, inputs, targets)
+    return result
+
+
+def profile_ops(model, inputs, targets, repeats: int = 3) -> list[tuple[str, float]]:
+    """Milliseconds per training step spent in each op (forward and backward apart), eager, the
+    device synchronised around every call: the ops to optimise next, largest first."""
+    from types import SimpleNamespace
+
+    from nanoeuler_core.registry import Impl
+
+    totals: dict[str, float] = {}
+    be = model.backend
+
+    def timed(fn, key):
+        def call(*args, **kwargs):
+            be.synchronize()
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            be.synchronize()
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - t
+            return out
+        return call
+
+    plain = model.ops
+    model.ops = SimpleNamespace(**{
+        name: Impl(timed(impl.forward, f"{name} fwd"), impl.backward and timed(impl.backward, f"{name} bwd"))
+        for name, impl in vars(plain).items()})
+    try:
+        model.loss_and_backward(inputs, targets)
+        totals.clear()
+        for _ in range(repeats):
+            model.loss_and_backward(inputs, targets)
+    finally:
+        model.ops = plain
+    return sorted(((k, v / repeats * 1e3) for k, v in totals.items()), key=lambda kv: -kv[1])
+
+
+def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup: int, tf32: bool,
+                 compile: bool) -> dict:
+    import torch
+
+    from nanoeuler_core import Model, ModelConfig
+    from nanoeuler_core.torch_peer import TorchModel
+
+    device = "cuda" if backend == "cuda" else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    if device == "cpu":
+        torch.set_num_threads(os.cpu_count())
+    cfg = ModelConfig.preset(preset)
+    model = TorchModel(cfg, device=device).load(Model(cfg, backend="cpu", seed=0).params).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            fused=device == "cuda")
+    loss_fn = torch.compile(model.loss) if compile else model.loss
+    inputs, targets = (torch.tensor(a, device=device) for a in _batch(cfg, batch_size))
+    times = []
+    for i in range(warmup + steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(inputs, targets).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        memory = (total - free) / 2**20
+    else:
+        memory = _peak_rss_mb()
+    return {"median_s": statistics.median(times), "memory_mb": memory, "torch": torch.__version__}
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _run_worker(args: dict) -> dict | None:
+    out = subprocess.run([sys.executable, "-m", "nanoeuler_core.bench", json.dumps(args)], capture_output=True, text=True)
+    if out.returncode:
+        print(f"{args['engine']} worker failed: {out.stderr.strip()[-1500:]}", file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def gpu_name() -> str:
+    from numba import cuda
+
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def start_time(cache_dir: str) -> float:
+    """Seconds for a fresh process to import nanoeuler, build a `small` model and run one
+    forward+backward on the CPU, with Numba's kernel cache in `cache_dir`."""
+    code = ("import time; t = time.perf_counter()\n"
+            "import numpy as np\n"
+            "from nanoeuler_core import Model, ModelConfig\n"
+            "m = Model(ModelConfig.preset('small'))\n"
+            "x = np.full((2, 128), 7)\n"
+            "m.loss_and_backward(x, x)\n"
+            "print(time.perf_counter() - t)\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "NUMBA_CACHE_DIR": cache_dir},
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def run(preset: str, backend: str, batch_size: int, steps: int, warmup: int, tf32: bool, profile: bool,
+        peers: bool, echo=print) -> dict:
+    """Measure nanoeuler and its PyTorch peers; print a table; return the numbers."""
+    from nanoeuler_core import ModelConfig
+
+    cfg = ModelConfig.preset(preset)
+    tokens = batch_size * cfg.ctx_len
+    machine = gpu_name() if backend == "cuda" else f"{os.cpu_count()}-core CPU"
+    precision = "tf32" if tf32 and backend == "cuda" else "fp32"
+    echo(f"preset {preset} ({cfg.n_params():,} parameters), batch {batch_size} x {cfg.ctx_len}, {machine}, "
+         f"training step (forward, backward, clipping, AdamW), median of {steps} after {warmup} warm-up")
+    common = dict(preset=preset, backend=backend, batch_size=batch_size, steps=steps, warmup=warmup, tf32=tf32)
+    rows = {f"nanoeuler {backend} {precision}": _run_worker({**common, "engine": "nanoeuler", "profile": profile})}
+    if peers:
+        try:
+            import torch  # noqa: F401  (only to know whether the peers can run)
+        except ImportError:
+            echo("torch is not installed: no peer comparison (pip install 'nanoeuler[bench]')")
+        else:
+            rows[f"torch eager {precision}"] = _run_worker({**common, "engine": "torch", "compile": False})
+            if backend == "cuda":
+                rows[f"torch compile {precision}"] = _run_worker({**common, "engine": "torch", "compile": True})
+    peak = next((v[precision] for k, v in PEAK_TFLOPS.items() if k in machine), None)
+    echo(f"{'engine':<28}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'memory MB':>12}{'vs ours':>9}")
+    ours = rows[f"nanoeuler {backend} {precision}"]
+    for name, r in rows.items():
+        if r is None:
+            continue
+        tps = tokens / r["median_s"]
+        mfu = f"{tps * cfg.flops_per_token() / (peak * 1e12):.1%}" if peak else "-"
+        ratio = f"{r['median_s'] / ours['median_s']:.2f}" if ours else "-"
+        echo(f"{name:<28}{r['median_s'] * 1e3:>10.1f}{tps:>12.0f}{mfu:>8}{r['memory_mb']:>12.0f}{ratio:>9}")
+        r["tokens_per_s"] = tps
+    if ours:
+        for name, r in rows.items():
+            if r is not None and name.startswith("torch"):
+                echo(f"ratio nanoeuler / {name} (tokens/s): {r['median_s'] / ours['median_s']:.2f}")
+        if profile and ours.get("ops"):
+            echo("per-op time in an eager step (ms, device synchronised around each call):")
+            for name, ms in ours["ops"][:12]:
+                echo(f"  {name:<22}{ms:>9.2f}")
+    return {"machine": machine, "rows": rows}
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    engine = spec.pop("engine")
+    result = worker_nanoeuler(**spec) if engine == "nanoeuler" else worker_torch(**spec)
+    print(json.dumps(result))
