@@ -125,12 +125,13 @@ def cases(B: int, rng):
     _, row_dot, dq_kernel, dkdv_kernel = attention._kernels(D)
     (o, lse), scale = attn_saved, np.float32(1 / math.sqrt(D))
     di = runtime.empty((B, H, T))
-    runtime.launch(row_dot, runtime.blocks_for(di.size, 256), 256, dq_shape, o, di)
+    rows_per_block = attention.ROW_DOT_THREADS // runtime.WARP
+    runtime.launch(row_dot, runtime.blocks_for(di.size, rows_per_block), attention.ROW_DOT_THREADS, dq_shape, o, di)
     dq_out, dk_out, dv_out = runtime.empty(q.shape), runtime.empty(k.shape), runtime.empty(v.shape)
-    run_dq = lambda: runtime.launch(dq_kernel, (T // attention.BQ, B * H), attention.BQ,   # noqa: E731
+    run_dq = lambda: runtime.launch(dq_kernel, (T // attention.DQ_ROWS, B * H), attention.DQ_THREADS,   # noqa: E731
                                     dq_shape, q, k, v, lse, di, scale, dq_out)
-    run_dkdv = lambda: runtime.launch(dkdv_kernel, (T // attention.BK_DKDV, B * KV),   # noqa: E731
-                                      attention.BK_DKDV, dq_shape, q, k, v, lse, di, scale, dk_out, dv_out)
+    run_dkdv = lambda: runtime.launch(dkdv_kernel, (T // attention.DKDV_KEYS, B * KV),   # noqa: E731
+                                      attention.DKDV_THREADS, dq_shape, q, k, v, lse, di, scale, dk_out, dv_out)
 
     nc, nf, nv = N * C * 4, N * F * 4, N * V * 4
     attn_flops = 4 * B * H * T * T * D / 2

@@ -9,7 +9,7 @@ never changes, so its scores are computed once, before training. Each step:
     losses, saved = dpo_loss.forward(logp_chosen, logp_rejected, ref_chosen, ref_rejected, beta)
     d_chosen, d_rejected = dpo_loss.backward(1 / P, saved, ...)     the registered op, by hand
     logprob_backward(rows, weights = d_row on every response token)  gradient of the mean loss
-    AdamW step
+    AdamW step                                                      (`loss_and_backward`, then `DPOTrainer.step`)
 
 Evaluation on held-out pairs: preference accuracy (the policy scores the chosen response above
 the rejected one) and the mean reward margin beta * ((pc - rc) - (pr - rr)), which is 0 before
@@ -29,9 +29,9 @@ import numpy as np
 import orjson
 
 from nanoeuler_core import registry
-from nanoeuler_core.sft import TEMPLATE, Encoded, collate, encode_example, epoch_indices, new_run_from, \
-    read_records, render_prompt, split_heldout, text_fields
 from nanoeuler_core.optim import lr_at
+from nanoeuler_core.sft import (TEMPLATE, Encoded, collate, encode_example, epoch_indices, new_run_from, read_records,
+                                render_prompt, split_heldout, text_fields)
 from nanoeuler_core.train import Progress, Run, TrainConfig, save_checkpoint
 
 

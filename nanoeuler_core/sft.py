@@ -239,14 +239,13 @@ def new_run_from(base_dir: Path, out_dir: Path, tc: TrainConfig, stage: dict, lo
 
 def fine_tune_config(base_dir: Path, **settings) -> TrainConfig:
     """The training settings of a fine-tuning run: `settings` (steps, batch_size, lr, ...) and the
-    base run's preset, checkpointing at the end."""
+    base run's preset."""
     base_dir = Path(base_dir)
     if not (base_dir / "config.json").is_file():
         raise checkpoint.CheckpointError(f"base run {base_dir} not found: pass --base a run directory "
                                          f"written by pretrain, sft or dpo")
     preset = checkpoint.read_json(base_dir / "config.json").get("training", {}).get("preset")
-    return TrainConfig(preset=preset if preset in PRESETS else "small", ckpt_every=settings.get("steps", 1000),
-                       **settings)
+    return TrainConfig(preset=preset if preset in PRESETS else "small", **settings)
 
 
 def start_sft(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print
@@ -272,20 +271,16 @@ def start_sft(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, log: C
 # evaluation
 
 
-def answer(model, tok, example: Example, max_new_tokens: int) -> str:
-    """The model's greedy response to the example's prompt, up to `</s>`."""
-    return model.generate(tok, example.prompt, max_new_tokens=max_new_tokens, temperature=0.0)
-
-
 def exact_match(model, tok, examples: list[Example]) -> tuple[float, dict[str, float]]:
-    """Fraction of examples whose greedy response equals the expected output (surrounding
-    whitespace ignored), overall and per task label."""
+    """Fraction of examples whose greedy response (up to `</s>`) equals the expected output,
+    surrounding whitespace ignored; overall and per task label."""
     if not examples:
         raise ValueError("no held-out examples to evaluate: raise --val-fraction or add examples")
     hits: dict[str, list[bool]] = {}
     for e in examples:
         expected = e.output.strip()
-        reply = answer(model, tok, e, max_new_tokens=len(tok.encode(expected)) + 2)  # room for </s> and a stray space
+        # room for the answer, </s> and a stray space: a longer reply is wrong anyway
+        reply = model.generate(tok, e.prompt, max_new_tokens=len(tok.encode(expected)) + 2, temperature=0.0)
         hits.setdefault(e.task or "all", []).append(reply.strip() == expected)
     every = [h for task_hits in hits.values() for h in task_hits]
     return float(np.mean(every)), {task: float(np.mean(h)) for task, h in sorted(hits.items())}

@@ -73,8 +73,13 @@ def _class_body(codepoints: Iterable[int]) -> str:
     return "".join(ranges)
 
 
+@functools.cache
 def _gpt2_pattern(limit: int) -> re.Pattern:
-    """GPT-2's pretokenizer over code points below `limit`."""
+    """GPT-2's pretokenizer for text of code points below `limit`.
+
+    `re` tests classes of code points below U+10000 with a bitmap but scans the ranges above one
+    by one, so text without such characters gets a pattern that leaves them out (4x faster).
+    """
     categories = list(map(unicodedata.category, map(chr, range(limit))))
     letter = _class_body(cp for cp, cat in enumerate(categories) if cat[0] == "L")
     number = _class_body(cp for cp, cat in enumerate(categories) if cat[0] == "N")
@@ -85,27 +90,20 @@ def _gpt2_pattern(limit: int) -> re.Pattern:
     )
 
 
-@functools.cache
-def _pretoken_patterns() -> tuple[re.Pattern, re.Pattern]:
-    # `re` tests classes of code points below U+10000 with a bitmap but scans the ranges above
-    # one by one, so text without such characters gets a pattern that leaves them out (4x faster).
-    return _gpt2_pattern(0x10000), _gpt2_pattern(sys.maxunicode + 1)
-
-
 _ASTRAL = re.compile("[\U00010000-\U0010ffff]")
 
 
 def pretokenize(text: str) -> list[str]:
     """Split `text` into GPT-2 pretokens; merges never cross their borders."""
-    basic_plane, full = _pretoken_patterns()
-    return (full if _ASTRAL.search(text) else basic_plane).findall(text)
+    return _gpt2_pattern(sys.maxunicode + 1 if _ASTRAL.search(text) else 0x10000).findall(text)
 
 
 def _line_chunks(text: str, size: int) -> list[str]:
     """Split `text` into pieces of about `size` characters that pretokenize exactly as the whole.
 
-    Each cut falls just before a newline that follows a non-space character: a pretoken always
-    ends there, and the pattern never looks behind, so the pieces' pretokens are the text's.
+    Each cut falls just before a newline that follows a non-space character (str.isspace covers
+    every pattern space): a pretoken always ends there, and the pattern never looks behind, so the pieces'
+    pretokens are the text's.
     """
     pieces, start = [], 0
     while len(text) - start > size:
@@ -146,7 +144,6 @@ def _bytes_to_unicode() -> list[str]:
 
 
 BYTE_TO_CHAR = _bytes_to_unicode()
-CHAR_TO_BYTE = {char: b for b, char in enumerate(BYTE_TO_CHAR)}
 
 
 def _hf_spelling(token: bytes) -> str:
@@ -319,9 +316,11 @@ class Tokenizer:
             return [self.encode(text, allowed_special) for text in texts]
         self._allowed_specials(allowed_special)  # fail here, not in a worker
         groups = _contiguous_groups(texts, 4 * n_workers)
-        with ProcessPoolExecutor(n_workers, initializer=_set_worker_tokenizer, initargs=(self,)) as pool:
-            results = pool.map(_encode_in_worker, groups, itertools.repeat(allowed_special))
-            return [ids.tolist() for group in results for ids in group]
+        n_local = len(groups) // n_workers  # this process takes its share while the workers run
+        with ProcessPoolExecutor(n_workers - 1, initializer=_set_worker_tokenizer, initargs=(self,)) as pool:
+            results = pool.map(_encode_in_worker, groups[n_local:], itertools.repeat(allowed_special))
+            local = [self.encode(text, allowed_special) for group in groups[:n_local] for text in group]
+            return local + [ids.tolist() for group in results for ids in group]
 
     def _allowed_specials(self, allowed_special: Iterable[str] | str) -> frozenset[str]:
         if isinstance(allowed_special, str):

@@ -84,6 +84,17 @@ def test_attention_decode_with_kv_cache():
     assert all(e < REL_TOL for e in errors.values()), errors
 
 
+@pytest.mark.parametrize("b, t, s, h, kv, d", [(2, 77, 77, 6, 2, 36), (3, 1, 130, 4, 4, 64), (1, 200, 333, 8, 1, 64)])
+def test_attention_odd_shapes(b, t, s, h, kv, d):
+    """Lengths off every kernel tile, a head size off the register tile (padded columns),
+    single-query decoding, plain multi-head and one key/value head for all queries."""
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((b, t, h, d))
+    k, v = rng.standard_normal((2, b, s, kv, d))
+    errors = _compare_backends("attention", (q, k, v), {}, rng)
+    assert all(e < REL_TOL for e in errors.values()), errors
+
+
 def test_linear_tf32_within_its_bound():
     from nanoeuler_ops.cuda import cublas
     if not cublas.uses_cublas():

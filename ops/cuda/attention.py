@@ -31,6 +31,7 @@ FWD_ROWS, FWD_KEYS, FWD_THREADS = 64, 32, 128
 DQ_ROWS, DQ_KEYS, DQ_THREADS = 64, 16, 128
 DKDV_KEYS, DKDV_ROWS, DKDV_THREADS = 32, 32, 64
 NX = 8           # threads along a register tile's columns (keys or head dims) in every kernel
+UNROLL = 4       # steps of a register-tile product unrolled together
 ROW_DOT_THREADS = 256
 MASKED = -1e30   # the score of a key in a row's causal future: exp() of it is 0, and unlike -inf it stays
                  # well defined under fastmath
@@ -42,19 +43,22 @@ def _cols_padded(D: int) -> int:
 
 
 @cache
-def _tile_product(MI, MJ, NY, a_by_row, b_by_col):
-    """A device function acc[i, j] += sum_{k < n} A[ty + NY*i, k] * B[k, tx + NX*j] over one thread's
+def _tile_product(MI, MJ, NY, N, a_by_row, b_by_col):
+    """A device function acc[i, j] += sum_{k < N} A[ty + NY*i, k] * B[k, tx + NX*j] over one thread's
     MI x MJ register tile. A is stored as a[row, k] if a_by_row else a[k, row]; B as b[col, k] if
     b_by_col else b[k, col] (so S = Q K^T is (True, True), O += P V is (True, False), dV += P^T dO is
-    (False, False))."""
+    (False, False)). N is a multiple of UNROLL: unrolled steps let the shared loads of the next k
+    issue while the multiply-adds of this one run."""
 
     @cuda.jit(device=True, inline=True)
-    def product(acc, a, b, ty, tx, n):
-        for k in range(n):
-            for i in range(MI):
-                a_ik = a[ty + NY * i, k] if a_by_row else a[k, ty + NY * i]
-                for j in range(MJ):
-                    acc[i, j] += a_ik * (b[tx + NX * j, k] if b_by_col else b[k, tx + NX * j])
+    def product(acc, a, b, ty, tx):
+        for k0 in range(0, N, UNROLL):
+            for u in range(UNROLL):
+                k = k0 + u
+                for i in range(MI):
+                    a_ik = a[ty + NY * i, k] if a_by_row else a[k, ty + NY * i]
+                    for j in range(MJ):
+                        acc[i, j] += a_ik * (b[tx + NX * j, k] if b_by_col else b[k, tx + NX * j])
 
     return product
 
@@ -64,6 +68,8 @@ def _kernels(D: int):
     """The four attention kernels compiled for head size D."""
     DP = _cols_padded(D)
     W = DP + 1   # shared row width: the +1 puts the rows a warp reads at one column in distinct banks
+    DJ = DP // NX   # head-dim columns per thread
+    fwd_p_width, dq_ds_width, kv_p_width = FWD_KEYS + 1, DQ_KEYS + 1, DKDV_KEYS + 1
 
     @cuda.jit(device=True, inline=True)
     def load_rows(tile, x, b, row0, head, n_rows, scale, tid, n_threads):
@@ -82,8 +88,8 @@ def _kernels(D: int):
     # forward: scores tile FWD_ROWS x FWD_KEYS, output tile FWD_ROWS x DP
     fwd_ny = FWD_THREADS // NX
     fwd_mi, fwd_mj = FWD_ROWS // fwd_ny, FWD_KEYS // NX
-    fwd_scores = _tile_product(fwd_mi, fwd_mj, fwd_ny, True, True)
-    fwd_values = _tile_product(fwd_mi, DP // NX, fwd_ny, True, False)
+    fwd_scores = _tile_product(fwd_mi, fwd_mj, fwd_ny, DP, True, True)
+    fwd_values = _tile_product(fwd_mi, DJ, fwd_ny, FWD_KEYS, True, False)
 
     @cuda.jit(fastmath=True)
     def forward(q, k, v, scale, o, lse):
@@ -99,10 +105,10 @@ def _kernels(D: int):
         q_tile = cuda.shared.array((FWD_ROWS, W), float32)
         k_tile = cuda.shared.array((FWD_KEYS, W), float32)
         v_tile = cuda.shared.array((FWD_KEYS, DP), float32)
-        p_tile = cuda.shared.array((FWD_ROWS, FWD_KEYS + 1), float32)
+        p_tile = cuda.shared.array((FWD_ROWS, fwd_p_width), float32)
         row_factor = cuda.shared.array(FWD_ROWS, float32)   # per tile the rescale of o, at the end 1 / sum
         scores = cuda.local.array((fwd_mi, fwd_mj), float32)
-        acc = cuda.local.array((fwd_mi, DP // NX), float32)
+        acc = cuda.local.array((fwd_mi, DJ), float32)
         zero(acc)
         load_rows(q_tile, q, b, t0, h, T, scale, tid, FWD_THREADS)
         row_max = float32(MASKED)   # running max and sum of row tid (threads tid < FWD_ROWS)
@@ -114,7 +120,7 @@ def _kernels(D: int):
             load_rows(v_tile, v, b, s0, kv, S, float32(1.0), tid, FWD_THREADS)
             cuda.syncthreads()
             zero(scores)
-            fwd_scores(scores, q_tile, k_tile, ty, tx, D)
+            fwd_scores(scores, q_tile, k_tile, ty, tx)
             for i in range(fwd_mi):
                 last_key = (S - T) + t0 + ty + fwd_ny * i
                 for j in range(fwd_mj):
@@ -138,9 +144,9 @@ def _kernels(D: int):
             cuda.syncthreads()
             for i in range(fwd_mi):
                 rescale = row_factor[ty + fwd_ny * i]
-                for j in range(DP // NX):
+                for j in range(DJ):
                     acc[i, j] *= rescale
-            fwd_values(acc, p_tile, v_tile, ty, tx, FWD_KEYS)
+            fwd_values(acc, p_tile, v_tile, ty, tx)
         cuda.syncthreads()
         if tid < FWD_ROWS:
             row_factor[tid] = float32(1.0) / row_sum
@@ -150,7 +156,7 @@ def _kernels(D: int):
         for i in range(fwd_mi):
             t = t0 + ty + fwd_ny * i
             inv_sum = row_factor[ty + fwd_ny * i]
-            for j in range(DP // NX):
+            for j in range(DJ):
                 d = tx + NX * j
                 if t < T and d < D:
                     o[b, t, h, d] = acc[i, j] * inv_sum
@@ -174,8 +180,8 @@ def _kernels(D: int):
     # dq: scores tile DQ_ROWS x DQ_KEYS, dq tile DQ_ROWS x DP
     dq_ny = DQ_THREADS // NX
     dq_mi, dq_mj = DQ_ROWS // dq_ny, DQ_KEYS // NX
-    dq_scores = _tile_product(dq_mi, dq_mj, dq_ny, True, True)
-    dq_keys = _tile_product(dq_mi, DP // NX, dq_ny, True, False)
+    dq_scores = _tile_product(dq_mi, dq_mj, dq_ny, DP, True, True)
+    dq_keys = _tile_product(dq_mi, DJ, dq_ny, DQ_KEYS, True, False)
 
     @cuda.jit(fastmath=True)
     def dq_kernel(do, q, k, v, lse, di, scale, dq):
@@ -192,10 +198,10 @@ def _kernels(D: int):
         do_tile = cuda.shared.array((DQ_ROWS, W), float32)
         k_tile = cuda.shared.array((DQ_KEYS, W), float32)
         v_tile = cuda.shared.array((DQ_KEYS, W), float32)
-        ds_tile = cuda.shared.array((DQ_ROWS, DQ_KEYS + 1), float32)
+        ds_tile = cuda.shared.array((DQ_ROWS, dq_ds_width), float32)
         scores = cuda.local.array((dq_mi, dq_mj), float32)
         dp = cuda.local.array((dq_mi, dq_mj), float32)
-        acc = cuda.local.array((dq_mi, DP // NX), float32)
+        acc = cuda.local.array((dq_mi, DJ), float32)
         row_lse = cuda.local.array(dq_mi, float32)
         row_di = cuda.local.array(dq_mi, float32)
         zero(acc)
@@ -213,8 +219,8 @@ def _kernels(D: int):
             cuda.syncthreads()
             zero(scores)
             zero(dp)
-            dq_scores(scores, q_tile, k_tile, ty, tx, D)
-            dq_scores(dp, do_tile, v_tile, ty, tx, D)
+            dq_scores(scores, q_tile, k_tile, ty, tx)
+            dq_scores(dp, do_tile, v_tile, ty, tx)
             for i in range(dq_mi):
                 last_key = (S - T) + t0 + ty + dq_ny * i
                 for j in range(dq_mj):
@@ -223,10 +229,10 @@ def _kernels(D: int):
                         ds = math.exp(scores[i, j] - row_lse[i]) * (dp[i, j] - row_di[i])
                     ds_tile[ty + dq_ny * i, tx + NX * j] = ds
             cuda.syncthreads()
-            dq_keys(acc, ds_tile, k_tile, ty, tx, DQ_KEYS)
+            dq_keys(acc, ds_tile, k_tile, ty, tx)
         for i in range(dq_mi):
             t = t0 + ty + dq_ny * i
-            for j in range(DP // NX):
+            for j in range(DJ):
                 d = tx + NX * j
                 if t < T and d < D:
                     dq[b, t, h, d] = acc[i, j] * scale
@@ -234,8 +240,8 @@ def _kernels(D: int):
     # dk, dv: scores tile DKDV_ROWS x DKDV_KEYS, dk and dv tiles DKDV_KEYS x DP
     kv_ny = DKDV_THREADS // NX
     kv_mi, kv_mj, kv_mk = DKDV_ROWS // kv_ny, DKDV_KEYS // NX, DKDV_KEYS // kv_ny
-    kv_scores = _tile_product(kv_mi, kv_mj, kv_ny, True, True)
-    kv_grads = _tile_product(kv_mk, DP // NX, kv_ny, False, False)
+    kv_scores = _tile_product(kv_mi, kv_mj, kv_ny, DP, True, True)
+    kv_grads = _tile_product(kv_mk, DJ, kv_ny, DKDV_ROWS, False, False)
 
     @cuda.jit(fastmath=True)
     def dkdv_kernel(do, q, k, v, lse, di, scale, dk, dv):
@@ -252,14 +258,14 @@ def _kernels(D: int):
         v_tile = cuda.shared.array((DKDV_KEYS, W), float32)
         q_tile = cuda.shared.array((DKDV_ROWS, W), float32)
         do_tile = cuda.shared.array((DKDV_ROWS, W), float32)
-        p_tile = cuda.shared.array((DKDV_ROWS, DKDV_KEYS + 1), float32)
-        ds_tile = cuda.shared.array((DKDV_ROWS, DKDV_KEYS + 1), float32)
+        p_tile = cuda.shared.array((DKDV_ROWS, kv_p_width), float32)
+        ds_tile = cuda.shared.array((DKDV_ROWS, kv_p_width), float32)
         lse_tile = cuda.shared.array(DKDV_ROWS, float32)
         di_tile = cuda.shared.array(DKDV_ROWS, float32)
         scores = cuda.local.array((kv_mi, kv_mj), float32)
         dp = cuda.local.array((kv_mi, kv_mj), float32)
-        dk_acc = cuda.local.array((kv_mk, DP // NX), float32)
-        dv_acc = cuda.local.array((kv_mk, DP // NX), float32)
+        dk_acc = cuda.local.array((kv_mk, DJ), float32)
+        dv_acc = cuda.local.array((kv_mk, DJ), float32)
         zero(dk_acc)
         zero(dv_acc)
         load_rows(k_tile, k, b, s0, kv, S, float32(1.0), tid, DKDV_THREADS)
@@ -277,8 +283,8 @@ def _kernels(D: int):
                 cuda.syncthreads()
                 zero(scores)
                 zero(dp)
-                kv_scores(scores, q_tile, k_tile, ty, tx, D)
-                kv_scores(dp, do_tile, v_tile, ty, tx, D)
+                kv_scores(scores, q_tile, k_tile, ty, tx)
+                kv_scores(dp, do_tile, v_tile, ty, tx)
                 for i in range(kv_mi):
                     r = ty + kv_ny * i
                     for j in range(kv_mj):
@@ -288,11 +294,11 @@ def _kernels(D: int):
                         p_tile[r, tx + NX * j] = p
                         ds_tile[r, tx + NX * j] = p * (dp[i, j] - di_tile[r])
                 cuda.syncthreads()
-                kv_grads(dv_acc, p_tile, do_tile, ty, tx, DKDV_ROWS)
-                kv_grads(dk_acc, ds_tile, q_tile, ty, tx, DKDV_ROWS)
+                kv_grads(dv_acc, p_tile, do_tile, ty, tx)
+                kv_grads(dk_acc, ds_tile, q_tile, ty, tx)
         for i in range(kv_mk):
             s = s0 + ty + kv_ny * i
-            for j in range(DP // NX):
+            for j in range(DJ):
                 d = tx + NX * j
                 if s < S and d < D:
                     dk[b, s, kv, d] = dk_acc[i, j]
