@@ -93,7 +93,7 @@ def sample_inputs(rng):
 
 OP = Op(
     name="attention",
-    summary="causal softmax attention with grouped key/value heads, queries at the end of the keys",
+    summary="Causal softmax attention with grouped key/value heads, queries at the end of the keys",
     reference=Impl(forward, backward),
     sample_inputs=sample_inputs,
     backends={"cpu": "nanoeuler_ops.cpu.attention", "cuda": "nanoeuler_ops.cuda.attention"},

@@ -57,7 +57,7 @@ def sample_inputs(rng):
 
 OP = Op(
     name="cross_entropy",
-    summary="per-row softmax cross-entropy; a target of -1 is ignored",
+    summary="Per-row softmax cross-entropy; a target of -1 is ignored",
     reference=Impl(forward, backward),
     sample_inputs=sample_inputs,
     backends={"cpu": "nanoeuler_ops.cpu.cross_entropy", "cuda": "nanoeuler_ops.cuda.cross_entropy"},
