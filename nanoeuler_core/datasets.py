@@ -351,15 +351,14 @@ def parse_alpaca(data: bytes, source: str = "alpaca") -> list[dict[str, str]]:
         raise DatasetError(f"{source}: not valid JSON ({e})") from None
     if not isinstance(items, list):
         raise DatasetError(f"{source}: expected a JSON list of examples, got {type(items).__name__}")
+    from nanoeuler_core.sft import text_fields  # the same field rules as `sft --data`
+
     examples = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise DatasetError(f"{source}: example {i} is a {type(item).__name__}, not an object")
-        example = {"instruction": item.get("instruction"), "input": item.get("input", ""), "output": item.get("output")}
-        for field, value in example.items():
-            if not isinstance(value, str):
-                raise DatasetError(f"{source}: example {i}: '{field}' must be a string")
-            if field != "input" and not value.strip():
-                raise DatasetError(f"{source}: example {i}: '{field}' is empty")
-        examples.append(example)
+        try:
+            examples.append(text_fields(item, f"{source}: example {i}", ("instruction", "output"), ("input",)))
+        except ValueError as e:
+            raise DatasetError(str(e)) from None
     return examples

@@ -12,8 +12,8 @@ never changes, so its scores are computed once, before training. Each step:
     AdamW step                                                      (`loss_and_backward`, then `DPOTrainer.step`)
 
 Evaluation on held-out pairs: preference accuracy (the policy scores the chosen response above
-the rejected one) and the mean reward margin beta * ((pc - rc) - (pr - rr)), which is 0 before
-training since the policy is the reference.
+the rejected one), the mean reward margin beta * ((pc - rc) - (pr - rr)), which is 0 before
+training since the policy is the reference, and the reward accuracy (pairs whose margin is > 0).
 """
 
 from __future__ import annotations
@@ -103,10 +103,12 @@ def sequence_logprobs(model, pairs: EncodedPairs, batch_size: int) -> np.ndarray
 
 
 def preference_metrics(scores: np.ndarray, reference: np.ndarray, beta: float) -> dict[str, float]:
-    """Preference accuracy (policy scores chosen above rejected), mean reward margin and DPO loss."""
+    """Preference accuracy (the policy scores chosen above rejected), the mean reward margin, the
+    reward accuracy (margin > 0: the policy moved towards chosen more than the reference had) and
+    the DPO loss."""
     margin = beta * ((scores[:, 0] - reference[:, 0]) - (scores[:, 1] - reference[:, 1]))
     return {"accuracy": float(np.mean(scores[:, 0] > scores[:, 1])), "reward_margin": float(margin.mean()),
-            "loss": float(np.mean(np.logaddexp(0.0, -margin)))}
+            "reward_accuracy": float(np.mean(margin > 0)), "loss": float(np.mean(np.logaddexp(0.0, -margin)))}
 
 
 def evaluate(model, pairs: EncodedPairs, beta: float, batch_size: int) -> dict[str, float]:

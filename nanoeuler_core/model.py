@@ -434,6 +434,12 @@ class Model:
             on_text(tail)
         return "".join(pieces) + tail
 
+    def chat(self, tok, messages: list[dict], **sampling) -> str:
+        """Reply to a conversation of {"role", "content"} messages in the chat template (see chat.py)."""
+        from nanoeuler_core.chat import chat
+
+        return chat(self, tok, messages, **sampling)
+
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
     if max_new_tokens < 0:

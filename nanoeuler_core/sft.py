@@ -28,8 +28,7 @@ import numpy as np
 
 from nanoeuler_core import checkpoint
 from nanoeuler_core.config import PRESETS
-from nanoeuler_core.optim import AdamW
-from nanoeuler_core.train import Run, TrainConfig, load_model
+from nanoeuler_core.train import Run, TrainConfig, load_model, make_optimizer
 
 TEMPLATE = "alpaca"
 PREAMBLE = ("Below is an instruction that describes a task. "
@@ -228,8 +227,7 @@ def new_run_from(base_dir: Path, out_dir: Path, tc: TrainConfig, stage: dict, lo
         raise ValueError("--out must differ from --base: fine-tuning writes a new run directory")
     model, tok = load_model(base_dir, tc.backend)
     log(f"base {base_dir}: {model.cfg.n_params():,} parameters, context {model.cfg.ctx_len} tokens")
-    optimizer = AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
-                      max_grad_norm=tc.grad_clip)
+    optimizer = make_optimizer(model, tc)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(out_dir / "tokenizer.json")
     model.save(out_dir, training={**asdict(tc), "base": str(base_dir), **stage})

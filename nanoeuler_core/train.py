@@ -122,6 +122,12 @@ def _data(run_dir: Path, tc: TrainConfig, tok, ctx_len: int) -> tuple[BatchLoade
     return train, val, unigram_loss(splits.train, tok.vocab_size)
 
 
+def make_optimizer(model: Model, tc: TrainConfig) -> AdamW:
+    """The AdamW of a run with settings `tc`; also sets the backend's matrix-product precision from them."""
+    model.backend.matmul_precision = "high" if tc.tf32 else "highest"
+    return AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay, max_grad_norm=tc.grad_clip)
+
+
 def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print) -> Run:
     """A fresh run in `run_dir` (which must not already hold one)."""
     run_dir = Path(run_dir)
@@ -134,9 +140,7 @@ def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print
     cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size)
     train, val, unigram = _data(run_dir, tc, tok, cfg.ctx_len)
     model = Model(cfg, backend=tc.backend, seed=tc.seed)
-    model.backend.matmul_precision = "high" if tc.tf32 else "highest"
-    optimizer = AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
-                      max_grad_norm=tc.grad_clip)
+    optimizer = make_optimizer(model, tc)
     run_dir.mkdir(parents=True, exist_ok=True)
     tok.save(run_dir / "tokenizer.json")
     model.save(run_dir, training=asdict(tc))
@@ -150,11 +154,13 @@ def resume_run(run_dir: Path, overrides: dict, log: Callable[[str], None] = prin
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist")
     saved = checkpoint.read_json(run_dir / "config.json")
+    stage = saved.get("training", {}).get("stage")
+    if stage:
+        raise ValueError(f"{run_dir} is a {stage} run, not a pretraining run: fine-tune further with "
+                         f"`nanoeuler-run {stage} --base {run_dir}`")
     tc = TrainConfig.from_dict({**saved.get("training", {}), **overrides})
     model, tok = load_model(run_dir, tc.backend)
-    model.backend.matmul_precision = "high" if tc.tf32 else "highest"
-    optimizer = AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
-                      max_grad_norm=tc.grad_clip)
+    optimizer = make_optimizer(model, tc)
     if (run_dir / "optimizer.safetensors").exists():
         tensors, meta = checkpoint.load_tensors(run_dir / "optimizer.safetensors")
         _, model_meta = checkpoint.load_tensors(run_dir / "model.safetensors")

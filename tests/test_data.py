@@ -462,8 +462,9 @@ def test_alpaca_json_becomes_jsonl(server, tmp_path):
 @pytest.mark.parametrize("payload, message", [
     (b"{not json", "not valid JSON"),
     (b'{"instruction": "x"}', "expected a JSON list"),
-    (b'[{"instruction": "Add 2 and 3.", "input": ""}]', "example 0: 'output' must be a string"),
-    (b'[{"instruction": "Add.", "output": "5"}, {"instruction": " ", "output": "5"}]', "example 1: 'instruction' is empty"),
+    (b'[{"instruction": "Add 2 and 3.", "input": ""}]', "example 0: missing field 'output'"),
+    (b'[{"instruction": "Add 2 and 3.", "output": 5}]', "example 0: field 'output' must be a string"),
+    (b'[{"instruction": "Add.", "output": "5"}, {"instruction": " ", "output": "5"}]', "example 1: field 'instruction' is empty"),
 ])
 def test_alpaca_validation(payload, message):
     with pytest.raises(datasets.DatasetError, match=re.escape(message)):

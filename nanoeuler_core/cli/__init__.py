@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from nanoeuler_core.cli import data, engine, tokenizer, train
+from nanoeuler_core.cli import data, engine, finetune, tokenizer, train
 
 app = typer.Typer(help="nanoeuler: train, check and sample a GPT-2-class model on a hand-written Numba engine.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -15,6 +15,7 @@ app.add_typer(tokenizer.app, name="tokenizer")
 app.add_typer(data.app, name="data")
 engine.register(app)
 train.register(app)
+finetune.register(app)
 
 
 def main() -> None:

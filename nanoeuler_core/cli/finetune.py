@@ -83,7 +83,8 @@ def dpo_command(
     if heldout is not None:
         after = dpo.evaluate(trainer.run.model, heldout, beta, batch_size)
         typer.echo(f"after DPO, held-out pairs: preference accuracy {after['accuracy']:.1%} "
-                   f"(before {before['accuracy']:.1%}), reward margin {after['reward_margin']:.3f}")
+                   f"(before {before['accuracy']:.1%}), reward margin {after['reward_margin']:.3f}, "
+                   f"reward accuracy {after['reward_accuracy']:.1%}")
     typer.echo(f"run saved in {trainer.run.dir}; chat with it: nanoeuler-run chat {trainer.run.dir}")
 
 

@@ -34,11 +34,9 @@ class CudaBackend(Backend):
         return runtime.zeros(shape, dtype or self.dtype)
 
     def copy_(self, dst, src) -> None:
-        from numba import cuda
-
         from nanoeuler_ops.cuda import runtime
-        if cuda.is_cuda_array(src):
-            runtime.copy(dst, src)  # a kernel on the current stream, so it can be captured
+        if not isinstance(src, np.ndarray):
+            runtime.copy(dst, src)  # device to device: a kernel on the current stream, so it can be captured
         elif runtime.capturing():
             raise RuntimeError("host data cannot be copied inside a captured CUDA graph; copy it before replaying")
         else:

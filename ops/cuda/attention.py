@@ -31,7 +31,6 @@ FWD_ROWS, FWD_KEYS, FWD_THREADS = 64, 32, 128
 DQ_ROWS, DQ_KEYS, DQ_THREADS = 64, 16, 128
 DKDV_KEYS, DKDV_ROWS, DKDV_THREADS = 32, 32, 64
 NX = 8           # threads along a register tile's columns (keys or head dims) in every kernel
-UNROLL = 4       # steps of a register-tile product unrolled together
 ROW_DOT_THREADS = 256
 MASKED = -1e30   # the score of a key in a row's causal future: exp() of it is 0, and unlike -inf it stays
                  # well defined under fastmath
@@ -43,22 +42,19 @@ def _cols_padded(D: int) -> int:
 
 
 @cache
-def _tile_product(MI, MJ, NY, N, a_by_row, b_by_col):
-    """A device function acc[i, j] += sum_{k < N} A[ty + NY*i, k] * B[k, tx + NX*j] over one thread's
+def _tile_product(MI, MJ, NY, a_by_row, b_by_col):
+    """A device function acc[i, j] += sum_{k < n} A[ty + NY*i, k] * B[k, tx + NX*j] over one thread's
     MI x MJ register tile. A is stored as a[row, k] if a_by_row else a[k, row]; B as b[col, k] if
     b_by_col else b[k, col] (so S = Q K^T is (True, True), O += P V is (True, False), dV += P^T dO is
-    (False, False)). N is a multiple of UNROLL: unrolled steps let the shared loads of the next k
-    issue while the multiply-adds of this one run."""
+    (False, False))."""
 
     @cuda.jit(device=True, inline=True)
-    def product(acc, a, b, ty, tx):
-        for k0 in range(0, N, UNROLL):
-            for u in range(UNROLL):
-                k = k0 + u
-                for i in range(MI):
-                    a_ik = a[ty + NY * i, k] if a_by_row else a[k, ty + NY * i]
-                    for j in range(MJ):
-                        acc[i, j] += a_ik * (b[tx + NX * j, k] if b_by_col else b[k, tx + NX * j])
+    def product(acc, a, b, ty, tx, n):
+        for k in range(n):
+            for i in range(MI):
+                a_ik = a[ty + NY * i, k] if a_by_row else a[k, ty + NY * i]
+                for j in range(MJ):
+                    acc[i, j] += a_ik * (b[tx + NX * j, k] if b_by_col else b[k, tx + NX * j])
 
     return product
 
@@ -88,8 +84,8 @@ def _kernels(D: int):
     # forward: scores tile FWD_ROWS x FWD_KEYS, output tile FWD_ROWS x DP
     fwd_ny = FWD_THREADS // NX
     fwd_mi, fwd_mj = FWD_ROWS // fwd_ny, FWD_KEYS // NX
-    fwd_scores = _tile_product(fwd_mi, fwd_mj, fwd_ny, DP, True, True)
-    fwd_values = _tile_product(fwd_mi, DJ, fwd_ny, FWD_KEYS, True, False)
+    fwd_scores = _tile_product(fwd_mi, fwd_mj, fwd_ny, True, True)
+    fwd_values = _tile_product(fwd_mi, DJ, fwd_ny, True, False)
 
     @cuda.jit(fastmath=True)
     def forward(q, k, v, scale, o, lse):
@@ -120,7 +116,7 @@ def _kernels(D: int):
             load_rows(v_tile, v, b, s0, kv, S, float32(1.0), tid, FWD_THREADS)
             cuda.syncthreads()
             zero(scores)
-            fwd_scores(scores, q_tile, k_tile, ty, tx)
+            fwd_scores(scores, q_tile, k_tile, ty, tx, D)
             for i in range(fwd_mi):
                 last_key = (S - T) + t0 + ty + fwd_ny * i
                 for j in range(fwd_mj):
@@ -146,7 +142,7 @@ def _kernels(D: int):
                 rescale = row_factor[ty + fwd_ny * i]
                 for j in range(DJ):
                     acc[i, j] *= rescale
-            fwd_values(acc, p_tile, v_tile, ty, tx)
+            fwd_values(acc, p_tile, v_tile, ty, tx, FWD_KEYS)
         cuda.syncthreads()
         if tid < FWD_ROWS:
             row_factor[tid] = float32(1.0) / row_sum
@@ -180,8 +176,8 @@ def _kernels(D: int):
     # dq: scores tile DQ_ROWS x DQ_KEYS, dq tile DQ_ROWS x DP
     dq_ny = DQ_THREADS // NX
     dq_mi, dq_mj = DQ_ROWS // dq_ny, DQ_KEYS // NX
-    dq_scores = _tile_product(dq_mi, dq_mj, dq_ny, DP, True, True)
-    dq_keys = _tile_product(dq_mi, DJ, dq_ny, DQ_KEYS, True, False)
+    dq_scores = _tile_product(dq_mi, dq_mj, dq_ny, True, True)
+    dq_keys = _tile_product(dq_mi, DJ, dq_ny, True, False)
 
     @cuda.jit(fastmath=True)
     def dq_kernel(do, q, k, v, lse, di, scale, dq):
@@ -219,8 +215,8 @@ def _kernels(D: int):
             cuda.syncthreads()
             zero(scores)
             zero(dp)
-            dq_scores(scores, q_tile, k_tile, ty, tx)
-            dq_scores(dp, do_tile, v_tile, ty, tx)
+            dq_scores(scores, q_tile, k_tile, ty, tx, D)
+            dq_scores(dp, do_tile, v_tile, ty, tx, D)
             for i in range(dq_mi):
                 last_key = (S - T) + t0 + ty + dq_ny * i
                 for j in range(dq_mj):
@@ -229,7 +225,7 @@ def _kernels(D: int):
                         ds = math.exp(scores[i, j] - row_lse[i]) * (dp[i, j] - row_di[i])
                     ds_tile[ty + dq_ny * i, tx + NX * j] = ds
             cuda.syncthreads()
-            dq_keys(acc, ds_tile, k_tile, ty, tx)
+            dq_keys(acc, ds_tile, k_tile, ty, tx, DQ_KEYS)
         for i in range(dq_mi):
             t = t0 + ty + dq_ny * i
             for j in range(DJ):
@@ -240,8 +236,8 @@ def _kernels(D: int):
     # dk, dv: scores tile DKDV_ROWS x DKDV_KEYS, dk and dv tiles DKDV_KEYS x DP
     kv_ny = DKDV_THREADS // NX
     kv_mi, kv_mj, kv_mk = DKDV_ROWS // kv_ny, DKDV_KEYS // NX, DKDV_KEYS // kv_ny
-    kv_scores = _tile_product(kv_mi, kv_mj, kv_ny, DP, True, True)
-    kv_grads = _tile_product(kv_mk, DJ, kv_ny, DKDV_ROWS, False, False)
+    kv_scores = _tile_product(kv_mi, kv_mj, kv_ny, True, True)
+    kv_grads = _tile_product(kv_mk, DJ, kv_ny, False, False)
 
     @cuda.jit(fastmath=True)
     def dkdv_kernel(do, q, k, v, lse, di, scale, dk, dv):
@@ -283,8 +279,8 @@ def _kernels(D: int):
                 cuda.syncthreads()
                 zero(scores)
                 zero(dp)
-                kv_scores(scores, q_tile, k_tile, ty, tx)
-                kv_scores(dp, do_tile, v_tile, ty, tx)
+                kv_scores(scores, q_tile, k_tile, ty, tx, D)
+                kv_scores(dp, do_tile, v_tile, ty, tx, D)
                 for i in range(kv_mi):
                     r = ty + kv_ny * i
                     for j in range(kv_mj):
@@ -294,8 +290,8 @@ def _kernels(D: int):
                         p_tile[r, tx + NX * j] = p
                         ds_tile[r, tx + NX * j] = p * (dp[i, j] - di_tile[r])
                 cuda.syncthreads()
-                kv_grads(dv_acc, p_tile, do_tile, ty, tx)
-                kv_grads(dk_acc, ds_tile, q_tile, ty, tx)
+                kv_grads(dv_acc, p_tile, do_tile, ty, tx, DKDV_ROWS)
+                kv_grads(dk_acc, ds_tile, q_tile, ty, tx, DKDV_ROWS)
         for i in range(kv_mk):
             s = s0 + ty + kv_ny * i
             for j in range(DJ):
