@@ -21,7 +21,7 @@ MAX_PARTIALS = 1024
 CLIP_EPS = 1e-6
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _sum_squares(grads, partial):
     # grads (P,) -> partial (blocks,): each block's sum of squares, grid-stride over grads
     total = float64(0.0)
@@ -33,7 +33,7 @@ def _sum_squares(grads, partial):
         partial[cuda.blockIdx.x] = total
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _norm(partial, norm):
     # partial (blocks,) -> norm (1,) = sqrt(sum of partials); a single block
     total = float64(0.0)
@@ -44,7 +44,7 @@ def _norm(partial, norm):
         norm[0] = math.sqrt(total)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _update(params, grads, m, v, sched, norm, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm):
     # params, grads, m, v (P,), sched (2,) = [lr, step], norm (1,) -> params, m, v updated in place
     i = cuda.grid(1)

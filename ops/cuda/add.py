@@ -8,7 +8,7 @@ from nanoeuler_ops.cuda import runtime
 THREADS = 256
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _add(a, b, y):
     # a, b (n,) -> y (n,): the arrays flattened
     i = cuda.grid(1)

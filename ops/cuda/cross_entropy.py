@@ -17,7 +17,7 @@ from nanoeuler_ops.cuda.runtime import WARP, warp_max, warp_sum
 ROWS = 8   # rows (warps) per block
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _forward(logits, targets, losses, lse):
     # logits (N, V), targets (N,) -> losses (N,), lse (N,); one warp per row
     N, V = logits.shape
@@ -47,7 +47,7 @@ def _forward(logits, targets, losses, lse):
             losses[n] = math.nan
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _backward(dlosses, logits, targets, lse, dlogits):
     # dlosses (N,), logits (N, V), targets (N,), lse (N,) -> dlogits (N, V); one warp per row
     N, V = logits.shape

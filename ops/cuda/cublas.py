@@ -47,7 +47,7 @@ def uses_cublas() -> bool:
     return _nvmath_cublas() is not None
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _matmul_tiled(a, b, out, trans_a, trans_b):
     # op(a) (M, K), op(b) (K, N) -> out (M, N), op = transpose where the flag is set;
     # one TILE x TILE tile of out per block, K walked in TILE steps through shared memory

@@ -10,7 +10,7 @@ from nanoeuler_ops.dpo_loss import check_pairs
 THREADS = 128
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _forward(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, losses, weight):
     # policy_chosen, policy_rejected, ref_chosen, ref_rejected (P,) -> losses (P,), weight (P,)
     # float64 per pair, as on the CPU: differences of large log-probabilities lose digits in float32.
@@ -21,7 +21,7 @@ def _forward(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, los
         weight[p] = 1.0 / (1.0 + math.exp(z))  # sigmoid(-z); exp(z) = inf for large z gives 0, as it should
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _backward(dlosses, weight, beta, d_chosen, d_rejected):
     # dlosses (P,), weight (P,) -> d_chosen (P,), d_rejected (P,)
     p = cuda.grid(1)

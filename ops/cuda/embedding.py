@@ -16,7 +16,7 @@ THREADS = 256
 CHUNK = 1024  # ids staged in shared memory at a time by the backward
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _forward(ids, table, out):
     # ids (N,), table (V, C) -> out (N, C); one thread per output element
     i = cuda.grid(1)
@@ -27,7 +27,7 @@ def _forward(ids, table, out):
         out[n, c] = table[row, c] if 0 <= row < table.shape[0] else 0.0
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _backward(ids, dout, dtable):
     # ids (N,), dout (N, C) -> dtable (V, C), zeroed before; block v owns row v: it scans the ids,
     # CHUNK at a time through shared memory, and adds dout[n] for every n with ids[n] == v, in order

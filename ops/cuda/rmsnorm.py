@@ -19,7 +19,7 @@ SHARED_BYTES = 48 * 1024   # the default per-block limit of dynamic shared memor
 MAX_PARTIALS = 256         # blocks of the backward: enough to fill the GPU, few partial rows
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _forward(x, w, eps, y, rstd):
     # x (N, C), w (C,) -> y (N, C), rstd (N,); one warp per row
     N, C = x.shape
@@ -38,7 +38,7 @@ def _forward(x, w, eps, y, rstd):
             y[n, c] = x[n, c] * r * w[c]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _backward(dy, x, w, rstd, dx, dw_partial):
     # dy, x (N, C), w (C,), rstd (N,) -> dx (N, C), dw_partial (P, C) with P = gridDim.x;
     # one warp per row, warps of a block accumulate dw in shared (warps, C)
@@ -71,7 +71,7 @@ def _backward(dy, x, w, rstd, dx, dw_partial):
         dw_partial[cuda.blockIdx.x, c] = total
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _sum_rows(partial, out):
     # partial (P, C) -> out (C,) = partial summed over its rows; one thread per column
     c = cuda.grid(1)

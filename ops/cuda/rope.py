@@ -26,7 +26,7 @@ def _table(positions: int, D: int, theta: float):
     return cached
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _rotate(x, cos, sin, start_pos, sign, y):
     # x (B, T, H, D), cos/sin (L, D/2), sign = +1 (forward) or -1 (backward) -> y (B, T, H, D);
     # one thread per rotated pair (b, t, h, j), j < D/2

@@ -144,7 +144,7 @@ empty = ARENA.empty
 zeros = ARENA.zeros
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _fill(flat, value):
     # flat (n,) <- value
     i = cuda.grid(1)
@@ -158,7 +158,7 @@ def fill(arr, value) -> None:
     launch(_fill, blocks_for(arr.size, 256), 256, flat, arr.dtype.type(value))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _copy(dst, src):
     # dst (n,) <- src (n,)
     i = cuda.grid(1)

@@ -15,7 +15,7 @@ def _sigmoid(z):
     return float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # 1 / (1 + exp(-z)) without overflow for large -z
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _forward(gate, up, y):
     # gate, up (n,) -> y (n,): (N, F) flattened
     i = cuda.grid(1)
@@ -24,7 +24,7 @@ def _forward(gate, up, y):
         y[i] = g * _sigmoid(g) * up[i]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _backward(dy, gate, up, dgate, dup):
     # dy, gate, up (n,) -> dgate, dup (n,): (N, F) flattened
     i = cuda.grid(1)
