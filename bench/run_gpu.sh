@@ -12,4 +12,4 @@ python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_cuda_model.py -p no:ca
 python3 -m nanoeuler_core.cli bench --preset gpu --backend cuda --batch-size 32 --steps 10 --warmup 3 --profile \
     2>&1 | tee "$log_dir/bench_gpu.log"
 python3 -m nanoeuler_core.cli pretrain --preset gpu --backend cuda --steps 60 --batch-size 32 --eval-every 30 \
-    --ckpt-every 60 --out "$log_dir/run_gpu" 2>&1 | tail -n 8 | tee "$log_dir/pretrain_gpu.log"
+    --ckpt-every 60 --out /tmp/nanoeuler-run-gpu 2>&1 | tail -n 8 | tee "$log_dir/pretrain_gpu.log"
