@@ -140,7 +140,17 @@ def _peak_rss_mb() -> float:
 
 
 def _run_worker(args: dict) -> dict | None:
-    out = subprocess.run([sys.executable, "-m", "nanoeuler_core.bench", json.dumps(args)], capture_output=True, text=True)
+    import nanoeuler_core
+
+    env = dict(os.environ)
+    first = ""
+    if args["engine"] == "torch":
+        # nanoeuler_core's import tunes OpenMP's idle threads for Numba: the peer keeps its own defaults
+        for name in nanoeuler_core.THREAD_ENV_SET_HERE:
+            env.pop(name, None)
+        first = "import torch; "
+    code = first + "import runpy; runpy.run_module('nanoeuler_core.bench', run_name='__main__')"
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, env=env)
     if out.returncode:
         print(f"{args['engine']} worker failed: {out.stderr.strip()[-1500:]}", file=sys.stderr)
         return None
