@@ -36,7 +36,7 @@ class TrainConfig:
     backend: str = "cpu"
     corpus: str | None = None           # default: the bundled Shakespeare text
     tokenizer: str | None = None        # default: trained on the corpus with the preset's vocab_size
-    steps: int = 1000
+    steps: int = 4000                   # about 4 minutes of the `small` preset on 2 CPU cores
     batch_size: int = 8
     lr: float | None = None             # default: 1e-3 for `small`, 3e-4 otherwise (SPEC.md section 3)
     warmup: int | None = None           # default: 5% of decay_steps
@@ -48,9 +48,9 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 0
-    eval_every: int = 100
+    eval_every: int = 250
     eval_batches: int = 8
-    ckpt_every: int = 250
+    ckpt_every: int = 500
     val_fraction: float = 0.1
     tf32: bool = True                   # CUDA: TF32 tensor-core matrix products (no effect on the CPU)
     eager: bool = False                 # launch every kernel from Python instead of replaying a captured step

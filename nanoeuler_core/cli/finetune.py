@@ -26,7 +26,7 @@ def _accuracy_line(name: str, overall: float, per_task: dict[str, float]) -> str
 
 def sft_command(
     base: Path = typer.Option(..., help="run directory of the pretrained model to start from"),
-    data: Optional[Path] = typer.Option(None, help="Alpaca JSON or JSONL file [default: the bundled tasks]"),
+    data: Optional[Path] = typer.Option(None, help="Alpaca JSON or JSONL file (default: the bundled tasks)"),
     out: Path = typer.Option(Path("runs/sft"), help="run directory to create"),
     steps: int = typer.Option(500, help="optimizer steps"),
     batch_size: int = typer.Option(16, help="examples per step"),
@@ -56,7 +56,7 @@ def sft_command(
 def dpo_command(
     base: Path = typer.Option(..., help="run directory to align (usually an sft run)"),
     data: Optional[Path] = typer.Option(None, help="JSONL of {instruction, chosen, rejected} pairs "
-                                                   "[default: the bundled pairs]"),
+                                                   "(default: the bundled pairs)"),
     out: Path = typer.Option(Path("runs/dpo"), help="run directory to create"),
     beta: float = typer.Option(0.1, help="DPO temperature: how far the policy may move from the reference"),
     steps: int = typer.Option(200, help="optimizer steps"),

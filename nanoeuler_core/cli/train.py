@@ -3,28 +3,32 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from nanoeuler_core import train as training
+
+DEFAULT = {f.name: f.default for f in fields(training.TrainConfig)}
 from nanoeuler_core.model import check_sampling
 
 
 def pretrain(
     preset: str = typer.Option("small", help="model preset: small (CPU, minutes) or gpu (116M parameters)"),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
-    corpus: Optional[Path] = typer.Option(None, help="UTF-8 text file [default: the bundled Shakespeare]"),
-    tokenizer: Optional[Path] = typer.Option(None, help="tokenizer.json to use [default: train one on the corpus]"),
-    steps: Optional[int] = typer.Option(None, help="train until this step [default: 1000; with --resume: the run's own]"),
-    batch_size: int = typer.Option(8, help="sequences per step (each ctx_len tokens)"),
-    lr: Optional[float] = typer.Option(None, help="peak learning rate [default: 1e-3 small, 3e-4 otherwise]"),
-    warmup: Optional[int] = typer.Option(None, help="warm-up steps [default: 5% of --decay-steps]"),
-    decay_steps: Optional[int] = typer.Option(None, help="cosine decay horizon [default: --steps]"),
-    seed: int = typer.Option(0, help="seed of the initial weights and the batches"),
-    eval_every: int = typer.Option(100, help="validation loss every N steps"),
-    ckpt_every: int = typer.Option(250, help="checkpoint every N steps (and at the end, and on Ctrl-C)"),
+    corpus: Optional[Path] = typer.Option(None, help="UTF-8 text file (default: the bundled Shakespeare)"),
+    tokenizer: Optional[Path] = typer.Option(None, help="tokenizer.json to use (default: train one on the corpus)"),
+    steps: Optional[int] = typer.Option(None, help=f"train until this step (default: {DEFAULT['steps']}; "
+                                                   f"with --resume: the run's own)"),
+    batch_size: int = typer.Option(DEFAULT["batch_size"], help="sequences per step (each ctx_len tokens)"),
+    lr: Optional[float] = typer.Option(None, help="peak learning rate (default: 1e-3 small, 3e-4 otherwise)"),
+    warmup: Optional[int] = typer.Option(None, help="warm-up steps (default: 5% of --decay-steps)"),
+    decay_steps: Optional[int] = typer.Option(None, help="cosine decay horizon (default: --steps)"),
+    seed: int = typer.Option(DEFAULT["seed"], help="seed of the initial weights and the batches"),
+    eval_every: int = typer.Option(DEFAULT["eval_every"], help="validation loss every N steps"),
+    ckpt_every: int = typer.Option(DEFAULT["ckpt_every"], help="checkpoint every N steps (and at the end, and on Ctrl-C)"),
     out: Path = typer.Option(Path("runs/pretrain"), help="run directory to create"),
     resume: Optional[Path] = typer.Option(None, help="continue the run in this directory (its settings are kept; "
                                                       "--steps and --backend may change)"),
@@ -39,7 +43,7 @@ def pretrain(
         run = training.resume_run(resume, overrides, log)
     else:
         tc = training.TrainConfig(preset=preset, backend=backend, corpus=str(corpus) if corpus else None,
-                                  tokenizer=str(tokenizer) if tokenizer else None, steps=steps or 1000,
+                                  tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
                                   batch_size=batch_size,
                                   lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
                                   ckpt_every=ckpt_every, tf32=tf32, eager=eager)
