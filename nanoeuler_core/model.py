@@ -262,15 +262,23 @@ class Model:
     def _host_losses(self, losses: list) -> np.ndarray:
         return np.stack([np.asarray(self.backend.to_host(l), dtype=np.float64) for l in losses])
 
-    def loss(self, inputs, targets) -> float:
-        """The training loss (SPEC.md section 1) without gradients, e.g. for validation."""
+    def head_losses(self, inputs, targets) -> np.ndarray:
+        """Each head's mean cross-entropy over its valid targets, (K,) float64 (NaN for a head with
+        none); head 0's is the usual next-token loss. No gradients."""
         ids, ids_dev = self._upload_ids(inputs)
         head_targets = self.head_targets(self._check_targets(targets, ids))
-        weights = self.mtp_weights(head_targets)
-        active = [j for j in range(self.cfg.n_mtp) if weights[j].any()]
+        valid = head_targets >= 0
+        active = [j for j in range(self.cfg.n_mtp) if valid[j].any()]
         h_final, _, _ = self._forward(ids_dev, *ids.shape)
         losses, _ = self._heads(h_final, self.backend.asarray(head_targets), active)
-        return float((weights[active] * self._host_losses(losses)).sum())
+        means = np.full(self.cfg.n_mtp, np.nan)
+        means[active] = (self._host_losses(losses) * valid[active]).sum(axis=1) / valid[active].sum(axis=1)
+        return means
+
+    def loss(self, inputs, targets) -> float:
+        """The training loss (SPEC.md section 1) without gradients: the mean of the heads' losses."""
+        means = self.head_losses(inputs, targets)
+        return float(np.nanmean(means)) if not np.isnan(means).all() else 0.0
 
     def loss_and_backward(self, inputs, targets) -> float:
         """The training loss; fills the gradient buffer `grad_flat` (and the `grads` views) without host copies."""

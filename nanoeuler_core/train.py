@@ -224,12 +224,13 @@ def save_checkpoint(run: Run) -> None:
     ])
 
 
-def evaluate(run: Run) -> float:
-    """Mean validation loss over the same `eval_batches` batches every time."""
+def evaluate(run: Run) -> tuple[float, float]:
+    """Validation loss (mean over the heads) and head 0's next-token loss, over the same
+    `eval_batches` batches every time."""
     if run.val_loader is None:
-        return float("nan")
-    losses = [run.model.loss(*run.val_loader.batch(i)) for i in range(run.config.eval_batches)]
-    return float(np.mean(losses))
+        return float("nan"), float("nan")
+    heads = np.array([run.model.head_losses(*run.val_loader.batch(i)) for i in range(run.config.eval_batches)])
+    return float(np.nanmean(heads)), float(np.nanmean(heads[:, 0]))
 
 
 class Progress:
@@ -269,7 +270,7 @@ def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
     tokens_per_step = tc.batch_size * model.cfg.ctx_len
     progress = Progress(tc.steps)
     row: dict = {}
-    val_loss = float("nan")
+    val_loss = val_next = float("nan")
     start, first_step = time.perf_counter(), opt.step_count
     interrupted = False
 
@@ -295,12 +296,13 @@ def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
                        "tokens_per_s": round(tokens_per_step / dt, 1),
                        "time": round(run.elapsed + time.perf_counter() - start, 3)}
                 if step % tc.eval_every == 0 or step == tc.steps:
-                    val_loss = evaluate(run)
-                    row["val_loss"] = round(val_loss, 5)
+                    val_loss, val_next = evaluate(run)
+                    row["val_loss"], row["val_next_token_loss"] = round(val_loss, 5), round(val_next, 5)
                 metrics.write(orjson.dumps(row) + b"\n")
                 metrics.flush()
                 rate = (time.perf_counter() - start) / (step - first_step)
-                progress.update(step, f"step {step}/{tc.steps} | loss {loss:.3f} | val {val_loss:.3f} | "
+                progress.update(step, f"step {step}/{tc.steps} | loss {loss:.3f} | val {val_loss:.3f} "
+                                      f"(next token {val_next:.3f}) | "
                                       f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(rate * (tc.steps - step))} left")
                 if step % tc.ckpt_every == 0 or step == tc.steps or interrupted:
                     save_checkpoint(run)

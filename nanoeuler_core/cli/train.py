@@ -56,7 +56,8 @@ def pretrain(
     if interrupted:
         raise typer.Exit(130)
     if row:
-        log(f"done: step {row['step']}, train loss {row['loss']:.3f}, val loss {row.get('val_loss', float('nan')):.3f} "
+        log(f"done: step {row['step']}, train loss {row['loss']:.3f} (mean of the {cfg.n_mtp} heads), validation "
+            f"{row.get('val_loss', float('nan')):.3f}, next-token validation {row.get('val_next_token_loss', float('nan')):.3f} "
             f"(unigram baseline {run.unigram_loss:.3f}); run saved in {run.dir}")
     typer.echo(f"--- sample ({sample_prompt!r}, temperature 0.8, top-k 40) ---")
     typer.echo(sample_prompt, nl=False)

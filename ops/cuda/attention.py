@@ -173,129 +173,152 @@ def _kernels(D: int):
         if inside and lane == 0:
             di[b, h, t] = total
 
-    # dq: scores tile DQ_ROWS x DQ_KEYS, dq tile DQ_ROWS x DP
-    dq_ny = DQ_THREADS // NX
-    dq_mi, dq_mj = DQ_ROWS // dq_ny, DQ_KEYS // NX
-    dq_scores = _tile_product(dq_mi, dq_mj, dq_ny, True, True)
-    dq_keys = _tile_product(dq_mi, DJ, dq_ny, True, False)
+    # The backward kernels keep every tile in one dynamic shared buffer, k-major (the summed index
+    # first), so a thread's four neighbouring rows or columns are one aligned 16-byte load.
+    TW = BWD_TILE + QUAD   # row width of a tile indexed by query rows or keys (padded against bank conflicts)
+    DW = DPB + QUAD        # row width of a tile indexed by head dims
+    mi, mj, dj = BWD_TILE // BWD_NY, BWD_TILE // BWD_NX, DPB // BWD_NX
+    bwd_scores = _quad_product(mi, mj)   # tile x tile products over the head dims
+    bwd_grads = _quad_product(mi, dj)    # tile x head-dim products over the tile's keys or rows
+
+    @cuda.jit(device=True, inline=True)
+    def stage(sh, base, width, transposed, x, b, row0, head, n_rows, scale, tid):
+        # BWD_TILE rows of scale * x[b, row0 + r, head, :D] (zeros past n_rows and D, up to DPB) into
+        # sh[base + d * width + r] if transposed else sh[base + r * width + d]
+        for i in range(tid, BWD_TILE * DPB, BWD_THREADS):
+            r, d = i // DPB, i % DPB
+            inside = row0 + r < n_rows and d < D
+            value = x[b, row0 + r, head, d] * scale if inside else float32(0.0)
+            sh[base + d * width + r if transposed else base + r * width + d] = value
+
+    # dq shared buffer (offsets in floats): q^T, do^T, k^T, v^T (DPB x TW), k (BWD_TILE x DW), dS^T (BWD_TILE x TW)
+    DQ_QT, DQ_DOT, DQ_KT, DQ_VT = 0, DPB * TW, 2 * DPB * TW, 3 * DPB * TW
+    DQ_K = 4 * DPB * TW
+    DQ_DST = DQ_K + BWD_TILE * DW
 
     @cuda.jit(fastmath=True)
     def dq_kernel(do, q, k, v, lse, di, scale, dq):
         # do, q (B, T, H, D), k, v (B, S, KV, D), lse, di (B, H, T) -> dq (B, T, H, D);
-        # grid (T / DQ_ROWS, B * H), DQ_THREADS threads
+        # grid (T / BWD_TILE, B * H), BWD_THREADS threads: BWD_TILE query rows against BWD_TILE keys per step
         B, T, H, _ = q.shape
         S, KV = k.shape[1], k.shape[2]
         b, h = cuda.blockIdx.y // H, cuda.blockIdx.y % H
         kv = h // (H // KV)
         tid = cuda.threadIdx.x
-        ty, tx = tid // NX, tid % NX
-        t0 = cuda.blockIdx.x * DQ_ROWS
-        q_tile = cuda.shared.array((DQ_ROWS, W), float32)
-        do_tile = cuda.shared.array((DQ_ROWS, W), float32)
-        k_tile = cuda.shared.array((DQ_KEYS, W), float32)
-        v_tile = cuda.shared.array((DQ_KEYS, W), float32)
-        ds_tile = cuda.shared.array((DQ_ROWS, dq_ds_width), float32)
-        scores = cuda.local.array((dq_mi, dq_mj), float32)
-        dp = cuda.local.array((dq_mi, dq_mj), float32)
-        acc = cuda.local.array((dq_mi, DJ), float32)
-        row_lse = cuda.local.array(dq_mi, float32)
-        row_di = cuda.local.array(dq_mi, float32)
+        ty, tx = tid // BWD_NX, tid % BWD_NX
+        t0 = cuda.blockIdx.x * BWD_TILE
+        sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)
+        scores = cuda.local.array((mi, mj), float32)
+        dp = cuda.local.array((mi, mj), float32)
+        acc = cuda.local.array((mi, dj), float32)
+        row_lse = cuda.local.array(mi, float32)
+        row_di = cuda.local.array(mi, float32)
         zero(acc)
-        load_rows(q_tile, q, b, t0, h, T, scale, tid, DQ_THREADS)
-        load_rows(do_tile, do, b, t0, h, T, float32(1.0), tid, DQ_THREADS)
-        for i in range(dq_mi):
-            t = t0 + ty + dq_ny * i
+        stage(sh, DQ_QT, TW, True, q, b, t0, h, T, scale, tid)
+        stage(sh, DQ_DOT, TW, True, do, b, t0, h, T, float32(1.0), tid)
+        for i in range(mi):
+            t = t0 + _quad_index(ty, BWD_NY, i)
             row_lse[i] = lse[b, h, t] if t < T else float32(0.0)
             row_di[i] = di[b, h, t] if t < T else float32(0.0)
-        keys_end = min(S, (S - T) + t0 + DQ_ROWS)
-        for s0 in range(0, keys_end, DQ_KEYS):
+        keys_end = min(S, (S - T) + t0 + BWD_TILE)
+        for s0 in range(0, keys_end, BWD_TILE):
             cuda.syncthreads()
-            load_rows(k_tile, k, b, s0, kv, S, float32(1.0), tid, DQ_THREADS)
-            load_rows(v_tile, v, b, s0, kv, S, float32(1.0), tid, DQ_THREADS)
+            stage(sh, DQ_KT, TW, True, k, b, s0, kv, S, float32(1.0), tid)
+            stage(sh, DQ_VT, TW, True, v, b, s0, kv, S, float32(1.0), tid)
+            stage(sh, DQ_K, DW, False, k, b, s0, kv, S, float32(1.0), tid)
             cuda.syncthreads()
             zero(scores)
             zero(dp)
-            dq_scores(scores, q_tile, k_tile, ty, tx, D)
-            dq_scores(dp, do_tile, v_tile, ty, tx, D)
-            for i in range(dq_mi):
-                last_key = (S - T) + t0 + ty + dq_ny * i
-                for j in range(dq_mj):
+            bwd_scores(scores, sh, DQ_QT, TW, DQ_KT, TW, ty, tx, D)
+            bwd_scores(dp, sh, DQ_DOT, TW, DQ_VT, TW, ty, tx, D)
+            for i in range(mi):
+                r = _quad_index(ty, BWD_NY, i)
+                last_key = (S - T) + t0 + r
+                for j in range(mj):
+                    c = _quad_index(tx, BWD_NX, j)
                     ds = float32(0.0)
-                    if s0 + tx + NX * j <= last_key:
+                    if s0 + c <= last_key:
                         ds = math.exp(scores[i, j] - row_lse[i]) * (dp[i, j] - row_di[i])
-                    ds_tile[ty + dq_ny * i, tx + NX * j] = ds
+                    sh[DQ_DST + c * TW + r] = ds
             cuda.syncthreads()
-            dq_keys(acc, ds_tile, k_tile, ty, tx, DQ_KEYS)
-        for i in range(dq_mi):
-            t = t0 + ty + dq_ny * i
-            for j in range(DJ):
-                d = tx + NX * j
+            bwd_grads(acc, sh, DQ_DST, TW, DQ_K, DW, ty, tx, BWD_TILE)
+        for i in range(mi):
+            t = t0 + _quad_index(ty, BWD_NY, i)
+            for j in range(dj):
+                d = _quad_index(tx, BWD_NX, j)
                 if t < T and d < D:
                     dq[b, t, h, d] = acc[i, j] * scale
 
-    # dk, dv: scores tile DKDV_ROWS x DKDV_KEYS, dk and dv tiles DKDV_KEYS x DP
-    kv_ny = DKDV_THREADS // NX
-    kv_mi, kv_mj, kv_mk = DKDV_ROWS // kv_ny, DKDV_KEYS // NX, DKDV_KEYS // kv_ny
-    kv_scores = _tile_product(kv_mi, kv_mj, kv_ny, True, True)
-    kv_grads = _tile_product(kv_mk, DJ, kv_ny, False, False)
+    # dkdv shared buffer: k^T, v^T (DPB x TW, staged once), then per query tile q^T, do^T (DPB x TW; once
+    # the scores are done, P and dS (BWD_TILE x TW) overwrite them), q, do (BWD_TILE x DW), lse, di
+    KV_KT, KV_VT, KV_QT, KV_DOT = 0, DPB * TW, 2 * DPB * TW, 3 * DPB * TW
+    KV_P, KV_DS = KV_QT, KV_DOT
+    KV_Q = 4 * DPB * TW
+    KV_DO = KV_Q + BWD_TILE * DW
+    KV_LSE = KV_DO + BWD_TILE * DW
+    KV_DI = KV_LSE + BWD_TILE
 
     @cuda.jit(fastmath=True)
     def dkdv_kernel(do, q, k, v, lse, di, scale, dk, dv):
         # do, q (B, T, H, D), k, v (B, S, KV, D), lse, di (B, H, T) -> dk, dv (B, S, KV, D);
-        # grid (S / DKDV_KEYS, B * KV), DKDV_THREADS threads, looping over the group's query heads
+        # grid (S / BWD_TILE, B * KV), BWD_THREADS threads: BWD_TILE keys against BWD_TILE query rows per
+        # step, over every query head of the group, so the group's gradients add up in registers
         B, T, H, _ = q.shape
         S, KV = k.shape[1], k.shape[2]
         group = H // KV
         b, kv = cuda.blockIdx.y // KV, cuda.blockIdx.y % KV
         tid = cuda.threadIdx.x
-        ty, tx = tid // NX, tid % NX
-        s0 = cuda.blockIdx.x * DKDV_KEYS
-        k_tile = cuda.shared.array((DKDV_KEYS, W), float32)
-        v_tile = cuda.shared.array((DKDV_KEYS, W), float32)
-        q_tile = cuda.shared.array((DKDV_ROWS, W), float32)
-        do_tile = cuda.shared.array((DKDV_ROWS, W), float32)
-        p_tile = cuda.shared.array((DKDV_ROWS, kv_p_width), float32)
-        ds_tile = cuda.shared.array((DKDV_ROWS, kv_p_width), float32)
-        lse_tile = cuda.shared.array(DKDV_ROWS, float32)
-        di_tile = cuda.shared.array(DKDV_ROWS, float32)
-        scores = cuda.local.array((kv_mi, kv_mj), float32)
-        dp = cuda.local.array((kv_mi, kv_mj), float32)
-        dk_acc = cuda.local.array((kv_mk, DJ), float32)
-        dv_acc = cuda.local.array((kv_mk, DJ), float32)
+        ty, tx = tid // BWD_NX, tid % BWD_NX
+        s0 = cuda.blockIdx.x * BWD_TILE
+        sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)
+        scores = cuda.local.array((mi, mj), float32)   # transposed: [key, query row]
+        dp = cuda.local.array((mi, mj), float32)
+        row_lse = cuda.local.array(mj, float32)
+        row_di = cuda.local.array(mj, float32)
+        dk_acc = cuda.local.array((mi, dj), float32)
+        dv_acc = cuda.local.array((mi, dj), float32)
         zero(dk_acc)
         zero(dv_acc)
-        load_rows(k_tile, k, b, s0, kv, S, float32(1.0), tid, DKDV_THREADS)
-        load_rows(v_tile, v, b, s0, kv, S, float32(1.0), tid, DKDV_THREADS)
+        stage(sh, KV_KT, TW, True, k, b, s0, kv, S, float32(1.0), tid)
+        stage(sh, KV_VT, TW, True, v, b, s0, kv, S, float32(1.0), tid)
         first_query = max(0, s0 - (S - T))   # earlier queries see none of this block's keys
         for h in range(kv * group, (kv + 1) * group):
-            for t0 in range(first_query, T, DKDV_ROWS):
+            for t0 in range(first_query, T, BWD_TILE):
                 cuda.syncthreads()
-                load_rows(q_tile, q, b, t0, h, T, scale, tid, DKDV_THREADS)
-                load_rows(do_tile, do, b, t0, h, T, float32(1.0), tid, DKDV_THREADS)
-                if tid < DKDV_ROWS:
+                stage(sh, KV_QT, TW, True, q, b, t0, h, T, scale, tid)
+                stage(sh, KV_DOT, TW, True, do, b, t0, h, T, float32(1.0), tid)
+                stage(sh, KV_Q, DW, False, q, b, t0, h, T, scale, tid)
+                stage(sh, KV_DO, DW, False, do, b, t0, h, T, float32(1.0), tid)
+                if tid < BWD_TILE:
                     inside = t0 + tid < T
-                    lse_tile[tid] = lse[b, h, t0 + tid] if inside else float32(0.0)
-                    di_tile[tid] = di[b, h, t0 + tid] if inside else float32(0.0)
+                    sh[KV_LSE + tid] = lse[b, h, t0 + tid] if inside else float32(0.0)
+                    sh[KV_DI + tid] = di[b, h, t0 + tid] if inside else float32(0.0)
                 cuda.syncthreads()
                 zero(scores)
                 zero(dp)
-                kv_scores(scores, q_tile, k_tile, ty, tx, D)
-                kv_scores(dp, do_tile, v_tile, ty, tx, D)
-                for i in range(kv_mi):
-                    r = ty + kv_ny * i
-                    for j in range(kv_mj):
+                bwd_scores(scores, sh, KV_KT, TW, KV_QT, TW, ty, tx, D)
+                bwd_scores(dp, sh, KV_VT, TW, KV_DOT, TW, ty, tx, D)
+                for j in range(mj):
+                    c = _quad_index(tx, BWD_NX, j)
+                    row_lse[j] = sh[KV_LSE + c]
+                    row_di[j] = sh[KV_DI + c]
+                cuda.syncthreads()   # q^T and do^T are read: P and dS take their place
+                for i in range(mi):
+                    r = _quad_index(ty, BWD_NY, i)
+                    for j in range(mj):
+                        c = _quad_index(tx, BWD_NX, j)
                         p = float32(0.0)
-                        if t0 + r < T and s0 + tx + NX * j <= (S - T) + t0 + r:
-                            p = math.exp(scores[i, j] - lse_tile[r])
-                        p_tile[r, tx + NX * j] = p
-                        ds_tile[r, tx + NX * j] = p * (dp[i, j] - di_tile[r])
+                        if t0 + c < T and s0 + r <= (S - T) + t0 + c:
+                            p = math.exp(scores[i, j] - row_lse[j])
+                        sh[KV_P + c * TW + r] = p
+                        sh[KV_DS + c * TW + r] = p * (dp[i, j] - row_di[j])
                 cuda.syncthreads()
-                kv_grads(dv_acc, p_tile, do_tile, ty, tx, DKDV_ROWS)
-                kv_grads(dk_acc, ds_tile, q_tile, ty, tx, DKDV_ROWS)
-        for i in range(kv_mk):
-            s = s0 + ty + kv_ny * i
-            for j in range(DJ):
-                d = tx + NX * j
+                bwd_grads(dv_acc, sh, KV_P, TW, KV_DO, DW, ty, tx, BWD_TILE)
+                bwd_grads(dk_acc, sh, KV_DS, TW, KV_Q, DW, ty, tx, BWD_TILE)
+        for i in range(mi):
+            s = s0 + _quad_index(ty, BWD_NY, i)
+            for j in range(dj):
+                d = _quad_index(tx, BWD_NX, j)
                 if s < S and d < D:
                     dk[b, s, kv, d] = dk_acc[i, j]
                     dv[b, s, kv, d] = dv_acc[i, j]
