@@ -316,10 +316,12 @@ class Model:
         return -self._host_losses(losses[:1])[0].reshape(ids.shape)
 
     def _backward_blocks(self, dx, caches: list[BlockCache], ids_dev, B: int, T: int) -> None:
-        """Walk the blocks in reverse from dx (N, C), the gradient at the last block's output, to tok_emb."""
+        """Walk the blocks in reverse from dx (N, C), the gradient at the last block's output, to
+        tok_emb, consuming `caches`."""
         cfg, f, be = self.cfg, self.ops, self.backend
         N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
-        for L, G, c in zip(reversed(self.layers), reversed(self.layer_grads), reversed(caches)):
+        for L, G in zip(reversed(self.layers), reversed(self.layer_grads)):
+            c = caches.pop()  # dropped after this block: its activations can be freed
             # feed-forward step: x_out = x_mid + w_down(swiglu(gate, up)); dx flows to both terms
             dact, dw_down = f.linear.backward(dx, (), c.act, L.w_down)
             dgate, dup = f.swiglu.backward(dact, (), c.gate, c.up)

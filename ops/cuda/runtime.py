@@ -16,11 +16,13 @@ allocation (the eager path).
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
 
 import numba
 import numpy as np
 from numba import cuda, float64
+from numba.cuda.cudadrv import driver
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
 WARP = 32
@@ -85,22 +87,31 @@ def blocks_for(n: int, threads: int) -> int:
 # ---------------------------------------------------------------- allocation
 
 class Arena:
-    """Output buffers in call order, so a captured CUDA graph replays on the same memory."""
+    """Output buffers in call order, so a captured CUDA graph replays on the same memory.
+
+    While recording, memory is recycled: when an array handed out dies (the code dropped its last
+    reference, as the backward does with each layer's temporaries), its memory goes to a free
+    list and the next request of the same size gets it. Kernels run in stream order, so reusing
+    memory that a queued kernel still reads is safe. The recording is the list of (memory, shape,
+    dtype) in request order, which replaying hands back; the graph thus needs little more memory
+    than the eager step at its peak, instead of one buffer per temporary.
+    """
 
     def __init__(self) -> None:
-        self._buffers: list = []
+        self._recorded: list = []            # (memory, shape, dtype) in request order
+        self._free: dict[int, list] = {}     # size in bytes -> recyclable memory
         self._mode = "eager"
         self._next = 0
 
     @contextmanager
     def recording(self):
-        """Allocate as usual and remember each buffer (forgetting any earlier recording).
+        """Allocate (recycling dead buffers) and remember each buffer, forgetting any earlier recording.
 
-        Yields the list of recorded buffers: whoever replays a graph over them must keep it alive.
+        Yields the recording: whoever replays a graph over it must keep it alive.
         """
-        self._buffers, self._mode = [], "record"
+        self._recorded, self._mode = [], "record"
         try:
-            yield self._buffers
+            yield self._recorded
         finally:
             self._mode = "eager"
 
@@ -117,26 +128,56 @@ class Arena:
         """An uninitialised device array of `shape` and `dtype`."""
         shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
         dtype = np.dtype(dtype)
+        if self._mode == "eager" or SIMULATOR:
+            buf = cuda.device_array(shape, dtype)
+            if self._mode == "record":
+                self._recorded.append((buf, shape, dtype))
+            elif self._mode == "replay":
+                raise RuntimeError("graphs are not captured under the CUDA simulator")
+            return buf
         if self._mode == "replay":
-            if self._next >= len(self._buffers):
-                raise RuntimeError(f"replay asked for buffer {self._next + 1} of {len(self._buffers)} recorded: "
+            if self._next >= len(self._recorded):
+                raise RuntimeError(f"replay asked for buffer {self._next + 1} of {len(self._recorded)} recorded: "
                                    f"the replayed code must allocate exactly as the recorded code did")
-            buf = self._buffers[self._next]
-            if buf.shape != shape or buf.dtype != dtype:
-                raise RuntimeError(f"replay buffer {self._next} was recorded as {buf.shape} {buf.dtype}, "
+            memory, rec_shape, rec_dtype = self._recorded[self._next]
+            if rec_shape != shape or rec_dtype != dtype:
+                raise RuntimeError(f"replay buffer {self._next} was recorded as {rec_shape} {rec_dtype}, "
                                    f"now asked for {shape} {dtype}: the replayed code must allocate as recorded")
             self._next += 1
-            return buf
-        buf = cuda.device_array(shape, dtype)
-        if self._mode == "record":
-            self._buffers.append(buf)
-        return buf
+            return _view(memory, shape, dtype)
+        nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
+        free = self._free.get(nbytes)
+        memory = free.pop() if free else cuda.current_context().memalloc(nbytes)
+        self._recorded.append((memory, shape, dtype))
+        # Every array made from this one (reshapes, slices) keeps `lease` alive through its memory
+        # pointer's owner; once the last is gone, the memory is free for the next request.
+        lease = _Lease()
+        pointer = driver.MemoryPointer(memory.context, memory.device_pointer, nbytes, owner=lease)
+        weakref.finalize(lease, self._free.setdefault(nbytes, []).append, memory)
+        return _view(pointer, shape, dtype)
 
     def zeros(self, shape, dtype=np.float32):
         """A device array of zeros, filled by a kernel on the current stream (capturable)."""
         buf = self.empty(shape, dtype)
         fill(buf, 0)
         return buf
+
+
+class _Lease:
+    """Stands for one hand-out of recycled memory while any array over it lives."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _view(memory, shape, dtype):
+    """A C-contiguous device array of `shape` over `memory` (which stays owned by the arena)."""
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    strides, step = [], dtype.itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return DeviceNDArray(shape, tuple(reversed(strides)), dtype, gpu_data=memory)
 
 
 ARENA = Arena()
