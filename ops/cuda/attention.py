@@ -6,31 +6,39 @@ value read from shared memory feeds several multiply-adds. The forward keeps a r
 sum per query row (the online softmax). Tiles wholly in the causal future are never loaded.
 Query head h reads key/value head h // (H // KV) in place: repeated K/V are never materialised.
 
-Kernels (thread (ty, tx) of a block owns the register-tile rows ty + NY*i and columns tx + NX*j):
-  _forward   block = FWD_ROWS query rows of one (b, h), streaming FWD_KEYS keys per tile;
-             writes o and lse.
+Kernels:
+  _forward   block = FWD_ROWS query rows of one (b, h), streaming FWD_KEYS keys per tile; thread
+             (ty, tx) owns the register-tile rows ty + NY*i and columns tx + NX*j; writes o and lse.
   _row_dot   Di = rowsum(do * o), the FlashAttention-2 backward's correction term; one warp a row.
-  _dq        block = DQ_ROWS query rows of one (b, h), streaming DQ_KEYS keys per tile;
+  _dq        block = BWD_TILE query rows of one (b, h), streaming BWD_TILE keys per step;
              P recomputed from lse.
-  _dkdv      block = DKDV_KEYS keys of one (b, kv head), streaming DKDV_ROWS query rows per tile
+  _dkdv      block = BWD_TILE keys of one (b, kv head), streaming BWD_TILE query rows per step
              of every query head of its group, so the group's gradients add up in registers:
              no atomics, no races.
-Every block's shared memory stays within the 48 KB a kernel gets without opting in. The head
-size D is a compile-time constant (register tiles are unrolled), so each D gets its own kernels.
+The forward's tiles fit the 48 KB of static shared memory; the backward's larger tiles (8 x 4
+register tiles per thread, read as 16-byte quads) take ~100 KB of dynamic shared memory, a limit
+raised once per compiled kernel. The head size D is a compile-time constant (register tiles are
+unrolled), so each D gets its own kernels.
 """
 
 import math
 from functools import cache
 
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from nanoeuler_ops.attention import check_shapes
 from nanoeuler_ops.cuda import runtime
 
 FWD_ROWS, FWD_KEYS, FWD_THREADS = 64, 32, 128
-DQ_ROWS, DQ_KEYS, DQ_THREADS = 64, 16, 128
-DKDV_KEYS, DKDV_ROWS, DKDV_THREADS = 32, 32, 64
-NX = 8           # threads along a register tile's columns (keys or head dims) in every kernel
+NX = 8           # threads along the forward's register-tile columns (keys or head dims)
+# Backward: BWD_TILE query rows x BWD_TILE keys per step; thread (ty, tx) owns the row quads
+# ty + BWD_NY*n and the column quads tx + BWD_NX*n (a quad = 4 neighbouring rows or columns).
+BWD_TILE, BWD_NY, BWD_NX = 64, 8, 16
+BWD_THREADS = BWD_NY * BWD_NX
+QUAD = 4
+STAGE_BATCH = 8   # global loads each thread has in flight while staging a tile into shared memory
+SHARED_ALIGN = None if runtime.SIMULATOR else 16   # 16-byte aligned shared memory (the simulator takes no alignment)
+STATIC_SHARED_LIMIT = 48 * 1024   # bytes a kernel gets without raising its dynamic shared memory limit
 ROW_DOT_THREADS = 256
 MASKED = -1e30   # the score of a key in a row's causal future: exp() of it is 0, and unlike -inf it stays
                  # well defined under fastmath
@@ -59,13 +67,46 @@ def _tile_product(MI, MJ, NY, a_by_row, b_by_col):
     return product
 
 
+@cuda.jit(device=True, inline=True)
+def _quad_index(thread, n_threads, i):
+    # the i-th row (or column) a thread owns: quads thread, thread + n_threads, ... of QUAD each
+    return (thread + n_threads * (i // QUAD)) * QUAD + i % QUAD
+
+
+@cache
+def _quad_product(MI, MJ):
+    """A device function acc[i, j] += sum_{k < n} A[k, row i] * B[k, column j] over one backward
+    thread's MI x MJ register tile, A and B k-major in the shared buffer sh: A[k, r] at
+    sh[a + k * a_width + r], B[k, c] at sh[b + k * b_width + c]. Offsets and widths are multiples of
+    QUAD, and unsigned indices (no negative-index wraparound) let the compiler load each quad at once."""
+
+    @cuda.jit(device=True, inline=True)
+    def product(acc, sh, a, a_width, b, b_width, ty, tx, n):
+        for k in range(n):
+            a_k = a + k * a_width + ty * QUAD
+            b_k = b + k * b_width + tx * QUAD
+            for i in range(MI):
+                a_ki = sh[uint64(a_k + BWD_NY * QUAD * (i // QUAD)) + uint64(i % QUAD)]
+                for j in range(MJ):
+                    acc[i, j] += a_ki * sh[uint64(b_k + BWD_NX * QUAD * (j // QUAD)) + uint64(j % QUAD)]
+
+    return product
+
+
+def _bwd_cols_padded(D: int) -> int:
+    """D rounded up to a multiple of BWD_TILE (itself a multiple of QUAD * BWD_NX): the head-dim
+    columns of the backward's tiles, so P and dS fit where q^T and do^T were."""
+    return -(-D // BWD_TILE) * BWD_TILE
+
+
 @cache
 def _kernels(D: int):
-    """The four attention kernels compiled for head size D."""
+    """The four attention kernels compiled for head size D (the backward two with their shared memory bytes)."""
     DP = _cols_padded(D)
     W = DP + 1   # shared row width: the +1 puts the rows a warp reads at one column in distinct banks
     DJ = DP // NX   # head-dim columns per thread
-    fwd_p_width, dq_ds_width, kv_p_width = FWD_KEYS + 1, DQ_KEYS + 1, DKDV_KEYS + 1
+    fwd_p_width = FWD_KEYS + 1
+    DPB = _bwd_cols_padded(D)
 
     @cuda.jit(device=True, inline=True)
     def load_rows(tile, x, b, row0, head, n_rows, scale, tid, n_threads):
@@ -185,16 +226,25 @@ def _kernels(D: int):
     def stage(sh, base, width, transposed, x, b, row0, head, n_rows, scale, tid):
         # BWD_TILE rows of scale * x[b, row0 + r, head, :D] (zeros past n_rows and D, up to DPB) into
         # sh[base + d * width + r] if transposed else sh[base + r * width + d]
-        for i in range(tid, BWD_TILE * DPB, BWD_THREADS):
-            r, d = i // DPB, i % DPB
-            inside = row0 + r < n_rows and d < D
-            value = x[b, row0 + r, head, d] * scale if inside else float32(0.0)
-            sh[base + d * width + r if transposed else base + r * width + d] = value
+        # STAGE_BATCH loads are issued before their stores, so their latencies overlap
+        values = cuda.local.array(STAGE_BATCH, float32)
+        for i0 in range(tid, BWD_TILE * DPB, BWD_THREADS * STAGE_BATCH):
+            for n in range(STAGE_BATCH):
+                i = i0 + n * BWD_THREADS
+                r, d = i // DPB, i % DPB
+                inside = i < BWD_TILE * DPB and row0 + r < n_rows and d < D
+                values[n] = x[b, row0 + r, head, d] * scale if inside else float32(0.0)
+            for n in range(STAGE_BATCH):
+                i = i0 + n * BWD_THREADS
+                r, d = i // DPB, i % DPB
+                if i < BWD_TILE * DPB:
+                    sh[base + d * width + r if transposed else base + r * width + d] = values[n]
 
     # dq shared buffer (offsets in floats): q^T, do^T, k^T, v^T (DPB x TW), k (BWD_TILE x DW), dS^T (BWD_TILE x TW)
     DQ_QT, DQ_DOT, DQ_KT, DQ_VT = 0, DPB * TW, 2 * DPB * TW, 3 * DPB * TW
     DQ_K = 4 * DPB * TW
     DQ_DST = DQ_K + BWD_TILE * DW
+    dq_shared_bytes = 4 * (DQ_DST + BWD_TILE * TW)
 
     @cuda.jit(fastmath=True)
     def dq_kernel(do, q, k, v, lse, di, scale, dq):
@@ -257,6 +307,7 @@ def _kernels(D: int):
     KV_DO = KV_Q + BWD_TILE * DW
     KV_LSE = KV_DO + BWD_TILE * DW
     KV_DI = KV_LSE + BWD_TILE
+    dkdv_shared_bytes = 4 * (KV_DI + BWD_TILE)
 
     @cuda.jit(fastmath=True)
     def dkdv_kernel(do, q, k, v, lse, di, scale, dk, dv):
@@ -323,7 +374,7 @@ def _kernels(D: int):
                     dk[b, s, kv, d] = dk_acc[i, j]
                     dv[b, s, kv, d] = dv_acc[i, j]
 
-    return forward, row_dot, dq_kernel, dkdv_kernel
+    return forward, row_dot, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes)
 
 
 def forward(q, k, v):
@@ -337,11 +388,31 @@ def forward(q, k, v):
     return o, (o, lse)
 
 
+_shared_limit_raised = set()
+
+
+def _launch_with_shared(kernel, blocks, threads, shared_bytes, *args):
+    """runtime.launch with `shared_bytes` of dynamic shared memory, first raising the compiled
+    kernel's limit where that is above the default (once per kernel and argument types)."""
+    if shared_bytes > STATIC_SHARED_LIMIT and not runtime.SIMULATOR:
+        compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+        if compiled not in _shared_limit_raised:
+            from cuda.bindings import driver as cu   # the driver API numba-cuda itself runs on
+
+            function = compiled.library.get_cufunc()
+            attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            (status,) = cu.cuKernelSetAttribute(attribute, shared_bytes, function.handle, function.device.id)
+            if status != cu.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"attention: cannot give a kernel {shared_bytes} bytes of shared memory: {status}")
+            _shared_limit_raised.add(compiled)
+    runtime.launch(kernel, blocks, threads, *args, shared_bytes=shared_bytes)
+
+
 def backward(do, saved, q, k, v):
     o, lse = saved
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
-    _, row_dot, dq_kernel, dkdv_kernel = _kernels(D)
+    _, row_dot, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes) = _kernels(D)
     scale = float32(1.0 / math.sqrt(D))
     di = runtime.empty((B, H, T), q.dtype)
     dq = runtime.empty(q.shape, q.dtype)
@@ -349,7 +420,8 @@ def backward(do, saved, q, k, v):
     dv = runtime.empty(v.shape, v.dtype)
     rows_per_block = ROW_DOT_THREADS // runtime.WARP
     runtime.launch(row_dot, runtime.blocks_for(B * T * H, rows_per_block), ROW_DOT_THREADS, do, o, di)
-    runtime.launch(dq_kernel, (runtime.blocks_for(T, DQ_ROWS), B * H), DQ_THREADS, do, q, k, v, lse, di, scale, dq)
-    runtime.launch(dkdv_kernel, (runtime.blocks_for(S, DKDV_KEYS), B * KV), DKDV_THREADS,
-                   do, q, k, v, lse, di, scale, dk, dv)
+    _launch_with_shared(dq_kernel, (runtime.blocks_for(T, BWD_TILE), B * H), BWD_THREADS, dq_shared_bytes,
+                        do, q, k, v, lse, di, scale, dq)
+    _launch_with_shared(dkdv_kernel, (runtime.blocks_for(S, BWD_TILE), B * KV), BWD_THREADS, dkdv_shared_bytes,
+                        do, q, k, v, lse, di, scale, dk, dv)
     return dq, dk, dv
