@@ -69,8 +69,7 @@ def selftest(
     backend: str = typer.Option("cuda", help="the backend to test against its CPU twin"),
     seed: int = typer.Option(0, help="seed for the inputs"),
 ) -> None:
-    """Every kernel of BACKEND against the CPU, then the `small` model's gradients (TF32 off and on)
-    and the captured training step against the eager one."""
+    """Every kernel of BACKEND against the CPU, the `small` model's gradients, and the captured step."""
     from nanoeuler_core.config import ModelConfig
 
     be = registry.backend(backend)

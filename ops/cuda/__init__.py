@@ -16,7 +16,10 @@ class CudaBackend(Backend):
     dtype = np.float32
 
     def available(self) -> bool:
-        from numba import cuda
+        try:
+            from numba import cuda
+        except ImportError:  # numba-cuda not installed: pip install 'nanoeuler[cuda]'
+            return False
         return cuda.is_available()
 
     def asarray(self, host, dtype=None):
