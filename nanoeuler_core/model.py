@@ -56,9 +56,7 @@ class Model:
     def __init__(self, cfg: ModelConfig, backend: str = "cpu", seed: int = 0):
         self.cfg = cfg
         self.backend_name = backend
-        self.backend = registry.backend(backend)
-        if not self.backend.available():
-            raise ValueError(f"backend '{backend}' is not available on this machine")
+        self.backend = usable_backend(backend)
         self.ops = SimpleNamespace(**{name: registry.op(name).impl(backend) for name in MODEL_OPS})
 
         shapes = cfg.param_shapes()
@@ -449,6 +447,15 @@ class Model:
         from nanoeuler_core.chat import chat
 
         return chat(self, tok, messages, **sampling)
+
+
+def usable_backend(name: str):
+    """The registered backend `name`, if it can run here; else a ValueError saying why not."""
+    backend = registry.backend(name)
+    if not backend.available():
+        hint = " (it needs an NVIDIA GPU and pip install 'nanoeuler[cuda]')" if name == "cuda" else ""
+        raise ValueError(f"backend '{name}' is not available on this machine{hint}")
+    return backend
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:

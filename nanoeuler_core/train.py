@@ -24,7 +24,7 @@ from nanoeuler_core import checkpoint
 from nanoeuler_core.checkpoint import CheckpointError
 from nanoeuler_core.config import PRESETS, ModelConfig
 from nanoeuler_core.data import BatchLoader, check_length, default_corpus, load_tokens
-from nanoeuler_core.model import Model
+from nanoeuler_core.model import Model, usable_backend
 from nanoeuler_core.optim import AdamW, TrainStep, lr_at
 
 CHECKPOINT_FILES = ["optimizer.safetensors", "model.safetensors"]  # commit order: see checkpoint.recover
@@ -131,6 +131,7 @@ def make_optimizer(model: Model, tc: TrainConfig) -> AdamW:
 def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print) -> Run:
     """A fresh run in `run_dir` (which must not already hold one)."""
     run_dir = Path(run_dir)
+    usable_backend(tc.backend)  # before minutes of tokenizer training
     if (run_dir / "config.json").exists():
         raise ValueError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or choose another --out")
     corpus = Path(tc.corpus) if tc.corpus else default_corpus()
