@@ -50,19 +50,26 @@ def gradcheck_cmd(
                 typer.echo("  " + c.line())
 
     typer.echo("== model (float64 reference): analytic gradient vs central finite differences")
-    for c in gradcheck.check_model_finite_differences(seed):
-        failures += not c.ok
-        typer.echo(c.line())
+    failures += _echo_checks(gradcheck.check_model_finite_differences(seed))
     model_backends = [b for b in (only or registry.backends()) if b != "reference" and registry.backend(b).available()]
     for name in model_backends:
         typer.echo(f"== model: {name} backend vs reference, loss and every gradient tensor")
-        for c in gradcheck.check_model_backend(name, seed):
-            failures += not c.ok
-            typer.echo(c.line())
+        failures += _echo_checks(gradcheck.check_model_backend(name, seed))
+    _verdict("gradcheck", failures)
+
+
+def _echo_checks(checks) -> int:
+    """Print one line per check; return how many failed."""
+    for c in checks:
+        typer.echo(c.line())
+    return sum(not c.ok for c in checks)
+
+
+def _verdict(command: str, failures: int) -> None:
     if failures:
-        typer.echo(f"gradcheck FAILED: {failures} check(s) out of bounds", err=True)
+        typer.echo(f"{command} FAILED: {failures} check(s) out of bounds", err=True)
         raise typer.Exit(1)
-    typer.echo("gradcheck passed")
+    typer.echo(f"{command} passed")
 
 
 def selftest(
@@ -93,18 +100,12 @@ def selftest(
         be.matmul_precision = precision
         label = "TF32 on" if precision == "high" else "TF32 off"
         typer.echo(f"== model `small`: {backend} gradients vs cpu, {label} (bound {bound:.0e} of each tensor's scale)")
-        for c in gradcheck.check_model_backend(backend, seed, against="cpu", cfg=small, batch_size=4, bound=bound):
-            failures += not c.ok
-            typer.echo(c.line())
+        failures += _echo_checks(gradcheck.check_model_backend(backend, seed, against="cpu", cfg=small, batch_size=4,
+                                                               bound=bound))
     be.matmul_precision = "highest"
     typer.echo("== training step: captured and replayed vs launched eagerly")
-    check = gradcheck.check_graph_replay(backend, small)
-    failures += not check.ok
-    typer.echo(check.line())
-    if failures:
-        typer.echo(f"selftest FAILED: {failures} check(s) out of bounds", err=True)
-        raise typer.Exit(1)
-    typer.echo("selftest passed")
+    failures += _echo_checks([gradcheck.check_graph_replay(backend, small)])
+    _verdict("selftest", failures)
 
 
 def bench(
