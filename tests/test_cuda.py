@@ -84,10 +84,12 @@ def test_attention_decode_with_kv_cache():
     assert all(e < REL_TOL for e in errors.values()), errors
 
 
-@pytest.mark.parametrize("b, t, s, h, kv, d", [(2, 77, 77, 6, 2, 36), (3, 1, 130, 4, 4, 64), (1, 200, 333, 8, 1, 64)])
+@pytest.mark.parametrize("b, t, s, h, kv, d", [(2, 77, 77, 6, 2, 36), (3, 1, 130, 4, 4, 64), (1, 200, 333, 8, 1, 64),
+                                               (2, 130, 200, 4, 2, 128)])
 def test_attention_odd_shapes(b, t, s, h, kv, d):
     """Lengths off every kernel tile, a head size off the register tile (padded columns),
-    single-query decoding, plain multi-head and one key/value head for all queries."""
+    single-query decoding, plain multi-head, one key/value head for all queries, and a head
+    size spanning two backward tiles."""
     rng = np.random.default_rng(4)
     q = rng.standard_normal((b, t, h, d))
     k, v = rng.standard_normal((2, b, s, kv, d))

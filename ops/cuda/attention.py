@@ -9,22 +9,23 @@ Query head h reads key/value head h // (H // KV) in place: repeated K/V are neve
 Kernels:
   _forward   block = FWD_ROWS query rows of one (b, h), streaming FWD_KEYS keys per tile; thread
              (ty, tx) owns the register-tile rows ty + NY*i and columns tx + NX*j; writes o and lse.
-  _row_dot   Di = rowsum(do * o), the FlashAttention-2 backward's correction term; one warp a row.
   _dq        block = BWD_TILE query rows of one (b, h), streaming BWD_TILE keys per step;
-             P recomputed from lse.
+             P recomputed from lse; first Di = rowsum(do * o), the FlashAttention-2 backward's
+             correction term, for its rows (written out for _dkdv).
   _dkdv      block = BWD_TILE keys of one (b, kv head), streaming BWD_TILE query rows per step
              of every query head of its group, so the group's gradients add up in registers:
              no atomics, no races.
-The forward's tiles fit the 48 KB of static shared memory; the backward's larger tiles (8 x 4
+The forward's tiles fit the 48 KB of static shared memory; the backward's larger tiles (4 x 4
 register tiles per thread, read as 16-byte quads) take ~100 KB of dynamic shared memory, a limit
-raised once per compiled kernel. The head size D is a compile-time constant (register tiles are
-unrolled), so each D gets its own kernels.
+raised once per compiled kernel. The backward loads each streamed tile once, into registers while
+the previous one is still being multiplied. The head size D is a compile-time constant (register
+tiles are unrolled), so each D gets its own kernels.
 """
 
 import math
 from functools import cache
 
-from numba import cuda, float32, uint64
+from numba import cuda, float32, int64, uint64
 
 from nanoeuler_ops.attention import check_shapes
 from nanoeuler_ops.cuda import runtime
@@ -32,14 +33,16 @@ from nanoeuler_ops.cuda import runtime
 FWD_ROWS, FWD_KEYS, FWD_THREADS = 64, 32, 128
 NX = 8           # threads along the forward's register-tile columns (keys or head dims)
 # Backward: BWD_TILE query rows x BWD_TILE keys per step; thread (ty, tx) owns the row quads
-# ty + BWD_NY*n and the column quads tx + BWD_NX*n (a quad = 4 neighbouring rows or columns).
-BWD_TILE, BWD_NY, BWD_NX = 64, 8, 16
+# ty + BWD_NY*n (a quad = 4 neighbouring rows), and the columns tx + BWD_NX*n of a score tile or
+# the column quads tx + BWD_NX*n of a gradient tile (see _quad_product).
+BWD_TILE, BWD_NY, BWD_NX = 64, 16, 16
 BWD_THREADS = BWD_NY * BWD_NX
+# At most 128 registers a thread, so that two blocks share a multiprocessor (65536 registers): the
+# extra warps hide more latency than the few spilled registers cost (the simulator takes no limit)
+BWD_JIT_OPTIONS = {} if runtime.SIMULATOR else {"max_registers": 128}
 QUAD = 4
-STAGE_BATCH = 8   # global loads each thread has in flight while staging a tile into shared memory
 SHARED_ALIGN = None if runtime.SIMULATOR else 16   # 16-byte aligned shared memory (the simulator takes no alignment)
 STATIC_SHARED_LIMIT = 48 * 1024   # bytes a kernel gets without raising its dynamic shared memory limit
-ROW_DOT_THREADS = 256
 MASKED = -1e30   # the score of a key in a row's causal future: exp() of it is 0, and unlike -inf it stays
                  # well defined under fastmath
 
@@ -74,34 +77,49 @@ def _quad_index(thread, n_threads, i):
 
 
 @cache
-def _quad_product(MI, MJ):
+def _quad_product(MI, MJ, b_by_col):
     """A device function acc[i, j] += sum_{k < n} A[k, row i] * B[k, column j] over one backward
-    thread's MI x MJ register tile, A and B k-major in the shared buffer sh: A[k, r] at
-    sh[a + k * a_width + r], B[k, c] at sh[b + k * b_width + c]. Offsets and widths are multiples of
-    QUAD, and unsigned indices (no negative-index wraparound) let the compiler load each quad at once."""
+    thread's MI x MJ register tile, k running on to the next multiple of QUAD (the tiles hold zeros
+    past n). A is k-major in the shared buffer sh,
+    A[k, r] at sh[a + k * a_width + r], the thread's rows in quads (_quad_index(ty, BWD_NY, i)).
+    B is k-major too, B[k, c] at sh[b + k * b_width + c] with columns in quads (_quad_index(tx,
+    BWD_NX, j)), or if b_by_col stored by column, B[k, c] at sh[b + c * b_width + k] with columns
+    tx + BWD_NX * j, read as quads along k (a quarter warp then reads 8 neighbouring rows, which an
+    odd number of quads per row puts in distinct banks). Offsets and widths are multiples of QUAD,
+    and unsigned indices (no negative-index wraparound) let the compiler load each quad at once."""
 
     @cuda.jit(device=True, inline=True)
     def product(acc, sh, a, a_width, b, b_width, ty, tx, n):
-        for k in range(n):
-            a_k = a + k * a_width + ty * QUAD
-            b_k = b + k * b_width + tx * QUAD
-            for i in range(MI):
-                a_ki = sh[uint64(a_k + BWD_NY * QUAD * (i // QUAD)) + uint64(i % QUAD)]
+        b_k = cuda.local.array((QUAD, MJ), float32)   # B[k0 + kk, column j]
+        for k0 in range(0, n, QUAD):
+            if b_by_col:
                 for j in range(MJ):
-                    acc[i, j] += a_ki * sh[uint64(b_k + BWD_NX * QUAD * (j // QUAD)) + uint64(j % QUAD)]
+                    column = uint64(b + (tx + BWD_NX * j) * b_width + k0)
+                    for kk in range(QUAD):
+                        b_k[kk, j] = sh[column + uint64(kk)]
+            for kk in range(QUAD):
+                a_k = a + (k0 + kk) * a_width + ty * QUAD
+                if not b_by_col:
+                    row = b + (k0 + kk) * b_width + tx * QUAD
+                    for j in range(MJ):
+                        b_k[kk, j] = sh[uint64(row + BWD_NX * QUAD * (j // QUAD)) + uint64(j % QUAD)]
+                for i in range(MI):
+                    a_ki = sh[uint64(a_k + BWD_NY * QUAD * (i // QUAD)) + uint64(i % QUAD)]
+                    for j in range(MJ):
+                        acc[i, j] += a_ki * b_k[kk, j]
 
     return product
 
 
 def _bwd_cols_padded(D: int) -> int:
-    """D rounded up to a multiple of BWD_TILE (itself a multiple of QUAD * BWD_NX): the head-dim
-    columns of the backward's tiles, so P and dS fit where q^T and do^T were."""
+    """D rounded up to a multiple of BWD_TILE (itself a multiple of QUAD * BWD_NX, the head dims
+    one row of a gradient tile's threads covers): the head-dim columns of the backward's tiles."""
     return -(-D // BWD_TILE) * BWD_TILE
 
 
 @cache
 def _kernels(D: int):
-    """The four attention kernels compiled for head size D (the backward two with their shared memory bytes)."""
+    """The three attention kernels compiled for head size D (the backward two with their shared memory bytes)."""
     DP = _cols_padded(D)
     W = DP + 1   # shared row width: the +1 puts the rows a warp reads at one column in distinct banks
     DJ = DP // NX   # head-dim columns per thread
@@ -198,100 +216,122 @@ def _kernels(D: int):
                 if t < T and d < D:
                     o[b, t, h, d] = acc[i, j] * inv_sum
 
-    @cuda.jit(fastmath=True)
-    def row_dot(do, o, di):
-        # do, o (B, T, H, D) -> di (B, H, T) = sum_d do * o; one warp per (b, t, h) row
-        B, T, H, _ = o.shape
-        row = cuda.blockIdx.x * (ROW_DOT_THREADS // runtime.WARP) + cuda.threadIdx.x // runtime.WARP
-        lane = cuda.threadIdx.x % runtime.WARP
-        b, t, h = row // (T * H), (row // H) % T, row % H
-        inside = row < B * T * H
-        total = float32(0.0)
-        for d in range(lane, D, runtime.WARP):
-            if inside:
-                total += do[b, t, h, d] * o[b, t, h, d]
-        total = runtime.warp_sum(total)
-        if inside and lane == 0:
-            di[b, h, t] = total
-
-    # The backward kernels keep every tile in one dynamic shared buffer, k-major (the summed index
-    # first), so a thread's four neighbouring rows or columns are one aligned 16-byte load.
+    # The backward kernels keep every tile in one dynamic shared buffer. Tiles staged once per block
+    # are k-major (the summed index first), so a thread's four neighbouring rows are one aligned
+    # 16-byte load; the tiles streamed per step are stored row by row, as they lie in global memory,
+    # and serve both as k-minor operands (products over the head dims) and k-major ones (over rows).
+    # The next step's tile is loaded into registers while the current one is multiplied (the loads'
+    # latency hides behind the arithmetic) and stored into shared memory once the products are done.
     TW = BWD_TILE + QUAD   # row width of a tile indexed by query rows or keys (padded against bank conflicts)
-    DW = DPB + QUAD        # row width of a tile indexed by head dims
+    DW = DPB + QUAD        # row width of a tile indexed by head dims (an odd number of quads, see _quad_product)
     mi, mj, dj = BWD_TILE // BWD_NY, BWD_TILE // BWD_NX, DPB // BWD_NX
-    bwd_scores = _quad_product(mi, mj)   # tile x tile products over the head dims
-    bwd_grads = _quad_product(mi, dj)    # tile x head-dim products over the tile's keys or rows
+    per_thread = BWD_TILE * DPB // BWD_THREADS   # elements of a streamed tile each thread loads
+    bwd_scores = _quad_product(mi, mj, True)     # tile x tile products over the head dims
+    bwd_grads = _quad_product(mi, dj, False)     # tile x head-dim products over the tile's keys or rows
 
     @cuda.jit(device=True, inline=True)
-    def stage(sh, base, width, transposed, x, b, row0, head, n_rows, scale, tid):
-        # BWD_TILE rows of scale * x[b, row0 + r, head, :D] (zeros past n_rows and D, up to DPB) into
-        # sh[base + d * width + r] if transposed else sh[base + r * width + d]
-        # STAGE_BATCH loads are issued before their stores, so their latencies overlap
-        values = cuda.local.array(STAGE_BATCH, float32)
-        for i0 in range(tid, BWD_TILE * DPB, BWD_THREADS * STAGE_BATCH):
-            for n in range(STAGE_BATCH):
-                i = i0 + n * BWD_THREADS
-                r, d = i // DPB, i % DPB
-                inside = i < BWD_TILE * DPB and row0 + r < n_rows and d < D
-                values[n] = x[b, row0 + r, head, d] * scale if inside else float32(0.0)
-            for n in range(STAGE_BATCH):
-                i = i0 + n * BWD_THREADS
-                r, d = i // DPB, i % DPB
-                if i < BWD_TILE * DPB:
-                    sh[base + d * width + r if transposed else base + r * width + d] = values[n]
+    def fetch(values, x, b, row0, head, n_rows, scale, tid):
+        # values[n] = scale * x[b, row0 + r, head, d] for element i = tid + n * BWD_THREADS = r * DPB + d
+        # of a BWD_TILE x DPB tile; zero past n_rows and D. The load reads a clamped, in-bounds element
+        # and the value is dropped outside, so no branch separates the loads; unsigned indices skip
+        # the negative-index wraparound.
+        for n in range(per_thread):
+            i = uint64(tid + n * BWD_THREADS)
+            r, d = int64(i // uint64(DPB)), int64(i % uint64(DPB))
+            row = row0 + r
+            value = x[uint64(b), uint64(min(row, n_rows - 1)), uint64(head), uint64(min(d, D - 1))]
+            values[n] = value * scale if row < n_rows and d < D else float32(0.0)
 
-    # dq shared buffer (offsets in floats): q^T, do^T, k^T, v^T (DPB x TW), k (BWD_TILE x DW), dS^T (BWD_TILE x TW)
-    DQ_QT, DQ_DOT, DQ_KT, DQ_VT = 0, DPB * TW, 2 * DPB * TW, 3 * DPB * TW
-    DQ_K = 4 * DPB * TW
-    DQ_DST = DQ_K + BWD_TILE * DW
+    @cuda.jit(device=True, inline=True)
+    def put(sh, base, values, transposed, tid):
+        # the fetched tile into sh[base + d * TW + r] if transposed else sh[base + r * DW + d]
+        for n in range(per_thread):
+            i = uint64(tid + n * BWD_THREADS)
+            r, d = i // uint64(DPB), i % uint64(DPB)
+            sh[uint64(base) + (d * uint64(TW) + r if transposed else r * uint64(DW) + d)] = values[n]
+
+    # dq shared buffer (offsets in floats): q^T, do^T (DPB x TW, staged once), k, v (BWD_TILE x DW), dS^T (BWD_TILE x TW)
+    DQ_QT, DQ_DOT = 0, DPB * TW
+    DQ_K = 2 * DPB * TW
+    DQ_V = DQ_K + BWD_TILE * DW
+    DQ_DST = DQ_V + BWD_TILE * DW
     dq_shared_bytes = 4 * (DQ_DST + BWD_TILE * TW)
 
-    @cuda.jit(fastmath=True)
-    def dq_kernel(do, q, k, v, lse, di, scale, dq):
-        # do, q (B, T, H, D), k, v (B, S, KV, D), lse, di (B, H, T) -> dq (B, T, H, D);
-        # grid (T / BWD_TILE, B * H), BWD_THREADS threads: BWD_TILE query rows against BWD_TILE keys per step
+    @cuda.jit(fastmath=True, **BWD_JIT_OPTIONS)
+    def dq_kernel(do, q, k, v, o, lse, scale, dq, di):
+        # do, q, o (B, T, H, D), k, v (B, S, KV, D), lse (B, H, T) -> dq (B, T, H, D), di (B, H, T);
+        # grid (B * H, T / BWD_TILE), BWD_THREADS threads: BWD_TILE query rows against BWD_TILE keys per step
         B, T, H, _ = q.shape
         S, KV = k.shape[1], k.shape[2]
-        b, h = cuda.blockIdx.y // H, cuda.blockIdx.y % H
+        b, h = cuda.blockIdx.x // H, cuda.blockIdx.x % H
         kv = h // (H // KV)
         tid = cuda.threadIdx.x
         ty, tx = tid // BWD_NX, tid % BWD_NX
-        t0 = cuda.blockIdx.x * BWD_TILE
+        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * BWD_TILE   # the last rows, with the most keys, start first
         sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)
         scores = cuda.local.array((mi, mj), float32)
         dp = cuda.local.array((mi, mj), float32)
         acc = cuda.local.array((mi, dj), float32)
         row_lse = cuda.local.array(mi, float32)
         row_di = cuda.local.array(mi, float32)
+        ds_quad = cuda.local.array(QUAD, float32)
+        k_next = cuda.local.array(per_thread, float32)   # the next key tile (first q, do and o, on their way)
+        v_next = cuda.local.array(per_thread, float32)
         zero(acc)
-        stage(sh, DQ_QT, TW, True, q, b, t0, h, T, scale, tid)
-        stage(sh, DQ_DOT, TW, True, do, b, t0, h, T, float32(1.0), tid)
+        fetch(k_next, q, b, t0, h, T, scale, tid)
+        put(sh, DQ_QT, k_next, True, tid)
+        # Di = rowsum(do * o) of the block's rows: the products go row by row where k will be, one
+        # thread sums each row; dkdv_kernel reads Di from global memory after this kernel
+        fetch(k_next, do, b, t0, h, T, float32(1.0), tid)
+        fetch(v_next, o, b, t0, h, T, float32(1.0), tid)
+        put(sh, DQ_DOT, k_next, True, tid)
+        for n in range(per_thread):
+            v_next[n] *= k_next[n]
+        put(sh, DQ_K, v_next, False, tid)
+        cuda.syncthreads()
+        if tid < BWD_TILE:
+            total = float32(0.0)
+            for d in range(D):
+                total += sh[DQ_K + tid * DW + d]
+            sh[DQ_DST + tid] = total   # dS^T's space is free until the first step
+            if t0 + tid < T:
+                di[b, h, t0 + tid] = total
+        cuda.syncthreads()
         for i in range(mi):
             t = t0 + _quad_index(ty, BWD_NY, i)
             row_lse[i] = lse[b, h, t] if t < T else float32(0.0)
-            row_di[i] = di[b, h, t] if t < T else float32(0.0)
+            row_di[i] = sh[DQ_DST + _quad_index(ty, BWD_NY, i)]
+        fetch(k_next, k, b, 0, kv, S, float32(1.0), tid)
+        fetch(v_next, v, b, 0, kv, S, float32(1.0), tid)
+        put(sh, DQ_K, k_next, False, tid)
+        put(sh, DQ_V, v_next, False, tid)
         keys_end = min(S, (S - T) + t0 + BWD_TILE)
         for s0 in range(0, keys_end, BWD_TILE):
             cuda.syncthreads()
-            stage(sh, DQ_KT, TW, True, k, b, s0, kv, S, float32(1.0), tid)
-            stage(sh, DQ_VT, TW, True, v, b, s0, kv, S, float32(1.0), tid)
-            stage(sh, DQ_K, DW, False, k, b, s0, kv, S, float32(1.0), tid)
-            cuda.syncthreads()
             zero(scores)
             zero(dp)
-            bwd_scores(scores, sh, DQ_QT, TW, DQ_KT, TW, ty, tx, D)
-            bwd_scores(dp, sh, DQ_DOT, TW, DQ_VT, TW, ty, tx, D)
-            for i in range(mi):
-                r = _quad_index(ty, BWD_NY, i)
-                last_key = (S - T) + t0 + r
-                for j in range(mj):
-                    c = _quad_index(tx, BWD_NX, j)
-                    ds = float32(0.0)
-                    if s0 + c <= last_key:
-                        ds = math.exp(scores[i, j] - row_lse[i]) * (dp[i, j] - row_di[i])
-                    sh[DQ_DST + c * TW + r] = ds
+            bwd_scores(scores, sh, DQ_QT, TW, DQ_K, DW, ty, tx, D)
+            bwd_scores(dp, sh, DQ_DOT, TW, DQ_V, DW, ty, tx, D)
+            for j in range(mj):
+                c = tx + BWD_NX * j
+                for i0 in range(0, mi, QUAD):   # a quad of rows goes out as one 16-byte store
+                    r = _quad_index(ty, BWD_NY, i0)
+                    for n in range(QUAD):
+                        visible = s0 + c <= (S - T) + t0 + r + n
+                        x = scores[i0 + n, j] - row_lse[i0 + n] if visible else float32(MASKED)
+                        ds_quad[n] = math.exp(x) * (dp[i0 + n, j] - row_di[i0 + n])
+                    for n in range(QUAD):
+                        sh[uint64(DQ_DST + c * TW + r) + uint64(n)] = ds_quad[n]
+            has_next = s0 + BWD_TILE < keys_end
+            if has_next:
+                fetch(k_next, k, b, s0 + BWD_TILE, kv, S, float32(1.0), tid)
+                fetch(v_next, v, b, s0 + BWD_TILE, kv, S, float32(1.0), tid)
             cuda.syncthreads()
             bwd_grads(acc, sh, DQ_DST, TW, DQ_K, DW, ty, tx, BWD_TILE)
+            cuda.syncthreads()   # k and dS^T are read: the next keys take their place
+            if has_next:
+                put(sh, DQ_K, k_next, False, tid)
+                put(sh, DQ_V, v_next, False, tid)
         for i in range(mi):
             t = t0 + _quad_index(ty, BWD_NY, i)
             for j in range(dj):
@@ -299,28 +339,45 @@ def _kernels(D: int):
                 if t < T and d < D:
                     dq[b, t, h, d] = acc[i, j] * scale
 
-    # dkdv shared buffer: k^T, v^T (DPB x TW, staged once), then per query tile q^T, do^T (DPB x TW; once
-    # the scores are done, P and dS (BWD_TILE x TW) overwrite them), q, do (BWD_TILE x DW), lse, di
-    KV_KT, KV_VT, KV_QT, KV_DOT = 0, DPB * TW, 2 * DPB * TW, 3 * DPB * TW
-    KV_P, KV_DS = KV_QT, KV_DOT
-    KV_Q = 4 * DPB * TW
+    # dkdv shared buffer: k^T, v^T (DPB x TW, staged once), then per query tile q, do (BWD_TILE x DW),
+    # P, dS (BWD_TILE query rows x TW keys), lse, di
+    KV_KT, KV_VT = 0, DPB * TW
+    KV_Q = 2 * DPB * TW
     KV_DO = KV_Q + BWD_TILE * DW
-    KV_LSE = KV_DO + BWD_TILE * DW
+    KV_P = KV_DO + BWD_TILE * DW
+    KV_DS = KV_P + BWD_TILE * TW
+    KV_LSE = KV_DS + BWD_TILE * TW
     KV_DI = KV_LSE + BWD_TILE
     dkdv_shared_bytes = 4 * (KV_DI + BWD_TILE)
 
-    @cuda.jit(fastmath=True)
+    @cuda.jit(device=True, inline=True)
+    def fetch_rows(q_next, do_next, q, do, lse, di, b, h, t0, T, scale, tid):
+        # one step's query tile of q and do into registers, and (threads tid < BWD_TILE) its row's lse, di
+        fetch(q_next, q, b, t0, h, T, scale, tid)
+        fetch(do_next, do, b, t0, h, T, float32(1.0), tid)
+        inside = tid < BWD_TILE and t0 + tid < T
+        return (lse[b, h, t0 + tid] if inside else float32(0.0)), (di[b, h, t0 + tid] if inside else float32(0.0))
+
+    @cuda.jit(device=True, inline=True)
+    def put_rows(sh, q_next, do_next, lse_next, di_next, tid):
+        put(sh, KV_Q, q_next, False, tid)
+        put(sh, KV_DO, do_next, False, tid)
+        if tid < BWD_TILE:
+            sh[KV_LSE + tid] = lse_next
+            sh[KV_DI + tid] = di_next
+
+    @cuda.jit(fastmath=True, **BWD_JIT_OPTIONS)
     def dkdv_kernel(do, q, k, v, lse, di, scale, dk, dv):
         # do, q (B, T, H, D), k, v (B, S, KV, D), lse, di (B, H, T) -> dk, dv (B, S, KV, D);
-        # grid (S / BWD_TILE, B * KV), BWD_THREADS threads: BWD_TILE keys against BWD_TILE query rows per
+        # grid (B * KV, S / BWD_TILE), BWD_THREADS threads: BWD_TILE keys against BWD_TILE query rows per
         # step, over every query head of the group, so the group's gradients add up in registers
         B, T, H, _ = q.shape
         S, KV = k.shape[1], k.shape[2]
         group = H // KV
-        b, kv = cuda.blockIdx.y // KV, cuda.blockIdx.y % KV
+        b, kv = cuda.blockIdx.x // KV, cuda.blockIdx.x % KV
         tid = cuda.threadIdx.x
         ty, tx = tid // BWD_NX, tid % BWD_NX
-        s0 = cuda.blockIdx.x * BWD_TILE
+        s0 = cuda.blockIdx.y * BWD_TILE   # the first keys, seen by the most query rows, start first
         sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)
         scores = cuda.local.array((mi, mj), float32)   # transposed: [key, query row]
         dp = cuda.local.array((mi, mj), float32)
@@ -328,44 +385,55 @@ def _kernels(D: int):
         row_di = cuda.local.array(mj, float32)
         dk_acc = cuda.local.array((mi, dj), float32)
         dv_acc = cuda.local.array((mi, dj), float32)
+        p_quad = cuda.local.array(QUAD, float32)
+        ds_quad = cuda.local.array(QUAD, float32)
+        q_next = cuda.local.array(per_thread, float32)   # the next query tile (first k and v, on their way to k^T, v^T)
+        do_next = cuda.local.array(per_thread, float32)
         zero(dk_acc)
         zero(dv_acc)
-        stage(sh, KV_KT, TW, True, k, b, s0, kv, S, float32(1.0), tid)
-        stage(sh, KV_VT, TW, True, v, b, s0, kv, S, float32(1.0), tid)
+        fetch(q_next, k, b, s0, kv, S, float32(1.0), tid)
+        put(sh, KV_KT, q_next, True, tid)
+        fetch(q_next, v, b, s0, kv, S, float32(1.0), tid)
+        put(sh, KV_VT, q_next, True, tid)
         first_query = max(0, s0 - (S - T))   # earlier queries see none of this block's keys
-        for h in range(kv * group, (kv + 1) * group):
-            for t0 in range(first_query, T, BWD_TILE):
-                cuda.syncthreads()
-                stage(sh, KV_QT, TW, True, q, b, t0, h, T, scale, tid)
-                stage(sh, KV_DOT, TW, True, do, b, t0, h, T, float32(1.0), tid)
-                stage(sh, KV_Q, DW, False, q, b, t0, h, T, scale, tid)
-                stage(sh, KV_DO, DW, False, do, b, t0, h, T, float32(1.0), tid)
-                if tid < BWD_TILE:
-                    inside = t0 + tid < T
-                    sh[KV_LSE + tid] = lse[b, h, t0 + tid] if inside else float32(0.0)
-                    sh[KV_DI + tid] = di[b, h, t0 + tid] if inside else float32(0.0)
-                cuda.syncthreads()
-                zero(scores)
-                zero(dp)
-                bwd_scores(scores, sh, KV_KT, TW, KV_QT, TW, ty, tx, D)
-                bwd_scores(dp, sh, KV_VT, TW, KV_DOT, TW, ty, tx, D)
-                for j in range(mj):
-                    c = _quad_index(tx, BWD_NX, j)
-                    row_lse[j] = sh[KV_LSE + c]
-                    row_di[j] = sh[KV_DI + c]
-                cuda.syncthreads()   # q^T and do^T are read: P and dS take their place
-                for i in range(mi):
-                    r = _quad_index(ty, BWD_NY, i)
-                    for j in range(mj):
-                        c = _quad_index(tx, BWD_NX, j)
-                        p = float32(0.0)
-                        if t0 + c < T and s0 + r <= (S - T) + t0 + c:
-                            p = math.exp(scores[i, j] - row_lse[j])
-                        sh[KV_P + c * TW + r] = p
-                        sh[KV_DS + c * TW + r] = p * (dp[i, j] - row_di[j])
-                cuda.syncthreads()
-                bwd_grads(dv_acc, sh, KV_P, TW, KV_DO, DW, ty, tx, BWD_TILE)
-                bwd_grads(dk_acc, sh, KV_DS, TW, KV_Q, DW, ty, tx, BWD_TILE)
+        tiles = (T - first_query + BWD_TILE - 1) // BWD_TILE   # query tiles per head
+        h0 = kv * group
+        lse_next, di_next = fetch_rows(q_next, do_next, q, do, lse, di, b, h0, first_query, T, scale, tid)
+        put_rows(sh, q_next, do_next, lse_next, di_next, tid)
+        for step in range(group * tiles):
+            t0 = first_query + (step % tiles) * BWD_TILE
+            cuda.syncthreads()
+            zero(scores)
+            zero(dp)
+            bwd_scores(scores, sh, KV_KT, TW, KV_Q, DW, ty, tx, D)
+            bwd_scores(dp, sh, KV_VT, TW, KV_DO, DW, ty, tx, D)
+            for j in range(mj):
+                c = tx + BWD_NX * j
+                row_lse[j] = sh[KV_LSE + c]
+                row_di[j] = sh[KV_DI + c]
+            for j in range(mj):
+                c = tx + BWD_NX * j
+                for i0 in range(0, mi, QUAD):   # a quad of keys goes out as one 16-byte store
+                    r = _quad_index(ty, BWD_NY, i0)
+                    for n in range(QUAD):
+                        visible = (t0 + c < T) & (s0 + r + n <= (S - T) + t0 + c)
+                        p_quad[n] = math.exp(scores[i0 + n, j] - row_lse[j] if visible else float32(MASKED))
+                        ds_quad[n] = p_quad[n] * (dp[i0 + n, j] - row_di[j])
+                    for n in range(QUAD):
+                        sh[uint64(KV_P + c * TW + r) + uint64(n)] = p_quad[n]
+                    for n in range(QUAD):
+                        sh[uint64(KV_DS + c * TW + r) + uint64(n)] = ds_quad[n]
+            has_next = step + 1 < group * tiles
+            if has_next:
+                next_step = step + 1
+                lse_next, di_next = fetch_rows(q_next, do_next, q, do, lse, di, b, h0 + next_step // tiles,
+                                               first_query + (next_step % tiles) * BWD_TILE, T, scale, tid)
+            cuda.syncthreads()
+            bwd_grads(dv_acc, sh, KV_P, TW, KV_DO, DW, ty, tx, BWD_TILE)
+            bwd_grads(dk_acc, sh, KV_DS, TW, KV_Q, DW, ty, tx, BWD_TILE)
+            cuda.syncthreads()   # q, do, P and dS are read: the next query tile takes their place
+            if has_next:
+                put_rows(sh, q_next, do_next, lse_next, di_next, tid)
         for i in range(mi):
             s = s0 + _quad_index(ty, BWD_NY, i)
             for j in range(dj):
@@ -374,7 +442,7 @@ def _kernels(D: int):
                     dk[b, s, kv, d] = dk_acc[i, j]
                     dv[b, s, kv, d] = dv_acc[i, j]
 
-    return forward, row_dot, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes)
+    return forward, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes)
 
 
 def forward(q, k, v):
@@ -412,16 +480,16 @@ def backward(do, saved, q, k, v):
     o, lse = saved
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
-    _, row_dot, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes) = _kernels(D)
+    _, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes) = _kernels(D)
     scale = float32(1.0 / math.sqrt(D))
     di = runtime.empty((B, H, T), q.dtype)
     dq = runtime.empty(q.shape, q.dtype)
     dk = runtime.empty(k.shape, k.dtype)
     dv = runtime.empty(v.shape, v.dtype)
-    rows_per_block = ROW_DOT_THREADS // runtime.WARP
-    runtime.launch(row_dot, runtime.blocks_for(B * T * H, rows_per_block), ROW_DOT_THREADS, do, o, di)
-    _launch_with_shared(dq_kernel, (runtime.blocks_for(T, BWD_TILE), B * H), BWD_THREADS, dq_shared_bytes,
-                        do, q, k, v, lse, di, scale, dq)
-    _launch_with_shared(dkdv_kernel, (runtime.blocks_for(S, BWD_TILE), B * KV), BWD_THREADS, dkdv_shared_bytes,
+    # The tile index is the grid's slow dimension: blocks start roughly in index order, so those
+    # with the most causal steps start first and the grid ends on short ones
+    _launch_with_shared(dq_kernel, (B * H, runtime.blocks_for(T, BWD_TILE)), BWD_THREADS, dq_shared_bytes,
+                        do, q, k, v, o, lse, scale, dq, di)
+    _launch_with_shared(dkdv_kernel, (B * KV, runtime.blocks_for(S, BWD_TILE)), BWD_THREADS, dkdv_shared_bytes,
                         do, q, k, v, lse, di, scale, dk, dv)
     return dq, dk, dv
