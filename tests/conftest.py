@@ -4,7 +4,10 @@ anything imports numba, hence here."""
 
 import ctypes.util
 import glob
+import json
 import os
+
+import pytest
 
 
 def _cuda_driver_present() -> bool:
@@ -13,3 +16,15 @@ def _cuda_driver_present() -> bool:
 
 if not _cuda_driver_present():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """A small tokenizer trained on prompts like the bundled instruction tasks."""
+    from nanoeuler_core import sft
+    from nanoeuler_core.sft import render_prompt
+    from nanoeuler_core.tokenizer import Tokenizer
+
+    lines = sft.bundled_tasks().read_text(encoding="utf-8").splitlines()[:300]
+    examples = [json.loads(line) for line in lines]
+    return Tokenizer.train("".join(render_prompt(e["instruction"]) + e["output"] + "\n" for e in examples), 300)

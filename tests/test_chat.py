@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 from nanoeuler_core.chat import Conversation, chat, check_messages, fit_context, render
 from nanoeuler_core.sft import render_prompt
 from nanoeuler_core.train import load_model
-from test_sft import cli, make_base_run, tok  # noqa: F401  (tok is a fixture)
+from finetune_helpers import cli, make_base_run
 
 
 def user(text):

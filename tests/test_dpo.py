@@ -13,7 +13,7 @@ from nanoeuler_core.checkpoint import read_json
 from nanoeuler_core.config import ModelConfig
 from nanoeuler_core.model import Model
 from nanoeuler_core.train import load_model
-from test_sft import TINY, cli, make_base_run, tok, write_jsonl  # noqa: F401  (tok is a fixture)
+from finetune_helpers import TINY, cli, make_base_run, write_jsonl
 
 WORDS = ("night", "sword", "crown", "blood", "heart", "grace", "honour", "tongue")
 PAIRS = [{"instruction": f"Reverse the word: {w}", "chosen": w[::-1], "rejected": w} for w in WORDS]

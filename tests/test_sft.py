@@ -6,48 +6,17 @@ import re
 
 import numpy as np
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from nanoeuler_core import sft
 from nanoeuler_core.checkpoint import read_json
-from nanoeuler_core.cli import finetune
 from nanoeuler_core.config import ModelConfig
 from nanoeuler_core.model import Model
 from nanoeuler_core.sft import Example, collate, encode_example, load_examples, render_prompt
-from nanoeuler_core.tokenizer import Tokenizer
 from nanoeuler_core.train import load_model
 from nanoeuler_data import make_tasks
 
-TINY = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=48, ctx_len=96, n_mtp=2)
-
-
-@pytest.fixture(scope="session")
-def tok():
-    """A small tokenizer trained on prompts like the bundled ones."""
-    lines = sft.bundled_tasks().read_text(encoding="utf-8").splitlines()[:300]
-    examples = [json.loads(line) for line in lines]
-    return Tokenizer.train("".join(render_prompt(e["instruction"]) + e["output"] + "\n" for e in examples), 300)
-
-
-def make_base_run(path, tok, seed=0, **overrides):
-    """A run directory as pretrain writes it (config.json, model.safetensors, tokenizer.json) of a tiny model."""
-    model = Model(ModelConfig(vocab_size=tok.vocab_size, **{**TINY, **overrides}), backend="cpu", seed=seed)
-    model.save(path, training={"preset": "small"})
-    tok.save(path / "tokenizer.json")
-    return path
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    return path
-
-
-def cli():
-    app = typer.Typer()
-    finetune.register(app)
-    return app
-
+from finetune_helpers import TINY, cli, make_base_run, write_jsonl
 
 TASKS = [{"instruction": f"Reverse the word: {w}", "output": w[::-1]} for w in ("night", "sword", "crown", "blood", "heart")]
 
