@@ -5,7 +5,7 @@ forward-Euler steps (SPEC.md section 1),
     x = x + swiglu(rmsnorm(x; ffn_norm))
 
 then a final rmsnorm and K multi-token-prediction heads. There is no autograd tape: `_forward`
-keeps what the backward needs in an explicit cache, and `_backward` walks the blocks in reverse,
+keeps what the backward needs in an explicit cache, and `_backward_blocks` walks the blocks in reverse,
 calling each op's backward by hand, as llm.c's gpt2_backward does.
 
 Every op comes from the registry and runs on the chosen backend ("reference": NumPy float64,
