@@ -1,25 +1,24 @@
 """FlashAttention forward and backward on the GPU (FlashAttention-2 blocking). See ops/attention.py for the math.
 
-No (T, S) matrix is ever stored: a thread block stages a tile of query rows and a tile of keys
-in shared memory, and each thread computes a small register tile of their scores, so every
-value read from shared memory feeds several multiply-adds. The forward keeps a running max and
-sum per query row (the online softmax). Tiles wholly in the causal future are never loaded.
-Query head h reads key/value head h // (H // KV) in place: repeated K/V are never materialised.
+No (T, S) matrix is ever stored: a thread block stages a tile of query rows (or keys) in shared
+memory and streams tiles of the other side past it, and each thread computes a 4 x 4 register tile
+of their products, so every value read from shared memory feeds several multiply-adds. Tiles
+wholly in the causal future are never loaded. Query head h reads key/value head h // (H // KV) in
+place: repeated K/V are never materialised.
 
 Kernels:
-  _forward   block = FWD_ROWS query rows of one (b, h), streaming FWD_KEYS keys per tile; thread
-             (ty, tx) owns the register-tile rows ty + NY*i and columns tx + NX*j; writes o and lse.
-  _dq        block = BWD_TILE query rows of one (b, h), streaming BWD_TILE keys per step;
+  _forward   block = TILE query rows of one (b, h), streaming TILE keys per step; the online
+             softmax (running max and sum per row) stays in registers; writes o and lse.
+  _dq        block = TILE query rows of one (b, h), streaming TILE keys per step;
              P recomputed from lse; first Di = rowsum(do * o), the FlashAttention-2 backward's
              correction term, for its rows (written out for _dkdv).
-  _dkdv      block = BWD_TILE keys of one (b, kv head), streaming BWD_TILE query rows per step
+  _dkdv      block = TILE keys of one (b, kv head), streaming TILE query rows per step
              of every query head of its group, so the group's gradients add up in registers:
              no atomics, no races.
-The forward's tiles fit the 48 KB of static shared memory; the backward's larger tiles (4 x 4
-register tiles per thread, read as 16-byte quads) take ~100 KB of dynamic shared memory, a limit
-raised once per compiled kernel. The backward loads each streamed tile once, into registers while
-the previous one is still being multiplied. The head size D is a compile-time constant (register
-tiles are unrolled), so each D gets its own kernels.
+Each kernel keeps its tiles (read as 16-byte quads) in ~70-100 KB of dynamic shared memory, a limit
+raised once per compiled kernel. Each streamed tile is loaded once, into registers while the
+previous one is still being multiplied. The head size D is a compile-time constant (register tiles
+are unrolled), so each D gets its own kernels.
 """
 
 import math
@@ -30,44 +29,19 @@ from numba import cuda, float32, int64, uint64
 from nanoeuler_ops.attention import check_shapes
 from nanoeuler_ops.cuda import runtime
 
-FWD_ROWS, FWD_KEYS, FWD_THREADS = 64, 32, 128
-NX = 8           # threads along the forward's register-tile columns (keys or head dims)
-# Backward: BWD_TILE query rows x BWD_TILE keys per step; thread (ty, tx) owns the row quads
-# ty + BWD_NY*n (a quad = 4 neighbouring rows), and the columns tx + BWD_NX*n of a score tile or
-# the column quads tx + BWD_NX*n of a gradient tile (see _quad_product).
-BWD_TILE, BWD_NY, BWD_NX = 64, 16, 16
-BWD_THREADS = BWD_NY * BWD_NX
+# TILE query rows x TILE keys per step; thread (ty, tx) owns the row quads ty + TILE_NY*n
+# (a quad = 4 neighbouring rows), and the columns tx + TILE_NX*n of a score tile or the column
+# quads tx + TILE_NX*n of an output or gradient tile (see _quad_product).
+TILE, TILE_NY, TILE_NX = 64, 16, 16
+THREADS = TILE_NY * TILE_NX
 # At most 128 registers a thread, so that two blocks share a multiprocessor (65536 registers): the
 # extra warps hide more latency than the few spilled registers cost (the simulator takes no limit)
-BWD_JIT_OPTIONS = {} if runtime.SIMULATOR else {"max_registers": 128}
+JIT_OPTIONS = {} if runtime.SIMULATOR else {"max_registers": 128}
 QUAD = 4
 SHARED_ALIGN = None if runtime.SIMULATOR else 16   # 16-byte aligned shared memory (the simulator takes no alignment)
 STATIC_SHARED_LIMIT = 48 * 1024   # bytes a kernel gets without raising its dynamic shared memory limit
 MASKED = -1e30   # the score of a key in a row's causal future: exp() of it is 0, and unlike -inf it stays
                  # well defined under fastmath
-
-
-def _cols_padded(D: int) -> int:
-    """D rounded up to a multiple of NX: head-dim columns of the register tiles (the extra ones are zeros)."""
-    return -(-D // NX) * NX
-
-
-@cache
-def _tile_product(MI, MJ, NY, a_by_row, b_by_col):
-    """A device function acc[i, j] += sum_{k < n} A[ty + NY*i, k] * B[k, tx + NX*j] over one thread's
-    MI x MJ register tile. A is stored as a[row, k] if a_by_row else a[k, row]; B as b[col, k] if
-    b_by_col else b[k, col] (so S = Q K^T is (True, True), O += P V is (True, False), dV += P^T dO is
-    (False, False))."""
-
-    @cuda.jit(device=True, inline=True)
-    def product(acc, a, b, ty, tx, n):
-        for k in range(n):
-            for i in range(MI):
-                a_ik = a[ty + NY * i, k] if a_by_row else a[k, ty + NY * i]
-                for j in range(MJ):
-                    acc[i, j] += a_ik * (b[tx + NX * j, k] if b_by_col else b[k, tx + NX * j])
-
-    return product
 
 
 @cuda.jit(device=True, inline=True)
@@ -78,13 +52,13 @@ def _quad_index(thread, n_threads, i):
 
 @cache
 def _quad_product(MI, MJ, b_by_col):
-    """A device function acc[i, j] += sum_{k < n} A[k, row i] * B[k, column j] over one backward
+    """A device function acc[i, j] += sum_{k < n} A[k, row i] * B[k, column j] over one
     thread's MI x MJ register tile, k running on to the next multiple of QUAD (the tiles hold zeros
     past n). A is k-major in the shared buffer sh,
-    A[k, r] at sh[a + k * a_width + r], the thread's rows in quads (_quad_index(ty, BWD_NY, i)).
+    A[k, r] at sh[a + k * a_width + r], the thread's rows in quads (_quad_index(ty, TILE_NY, i)).
     B is k-major too, B[k, c] at sh[b + k * b_width + c] with columns in quads (_quad_index(tx,
-    BWD_NX, j)), or if b_by_col stored by column, B[k, c] at sh[b + c * b_width + k] with columns
-    tx + BWD_NX * j, read as quads along k (a quarter warp then reads 8 neighbouring rows, which an
+    TILE_NX, j)), or if b_by_col stored by column, B[k, c] at sh[b + c * b_width + k] with columns
+    tx + TILE_NX * j, read as quads along k (a quarter warp then reads 8 neighbouring rows, which an
     odd number of quads per row puts in distinct banks). Offsets and widths are multiples of QUAD,
     and unsigned indices (no negative-index wraparound) let the compiler load each quad at once."""
 
@@ -94,7 +68,7 @@ def _quad_product(MI, MJ, b_by_col):
         for k0 in range(0, n, QUAD):
             if b_by_col:
                 for j in range(MJ):
-                    column = uint64(b + (tx + BWD_NX * j) * b_width + k0)
+                    column = uint64(b + (tx + TILE_NX * j) * b_width + k0)
                     for kk in range(QUAD):
                         b_k[kk, j] = sh[column + uint64(kk)]
             for kk in range(QUAD):
@@ -102,37 +76,55 @@ def _quad_product(MI, MJ, b_by_col):
                 if not b_by_col:
                     row = b + (k0 + kk) * b_width + tx * QUAD
                     for j in range(MJ):
-                        b_k[kk, j] = sh[uint64(row + BWD_NX * QUAD * (j // QUAD)) + uint64(j % QUAD)]
+                        b_k[kk, j] = sh[uint64(row + TILE_NX * QUAD * (j // QUAD)) + uint64(j % QUAD)]
                 for i in range(MI):
-                    a_ki = sh[uint64(a_k + BWD_NY * QUAD * (i // QUAD)) + uint64(i % QUAD)]
+                    a_ki = sh[uint64(a_k + TILE_NY * QUAD * (i // QUAD)) + uint64(i % QUAD)]
                     for j in range(MJ):
                         acc[i, j] += a_ki * b_k[kk, j]
 
     return product
 
 
-def _bwd_cols_padded(D: int) -> int:
-    """D rounded up to a multiple of BWD_TILE (itself a multiple of QUAD * BWD_NX, the head dims
-    one row of a gradient tile's threads covers): the head-dim columns of the backward's tiles."""
-    return -(-D // BWD_TILE) * BWD_TILE
+def _cols_padded(D: int) -> int:
+    """D rounded up to a multiple of TILE (itself a multiple of QUAD * TILE_NX, the head dims
+    one row of an output or gradient tile's threads covers): the head-dim columns of the tiles."""
+    return -(-D // TILE) * TILE
+
+
+if runtime.SIMULATOR:
+    @cuda.jit(device=True)
+    def _row_reduce(values, take_max):
+        # The simulator has no shuffles: a row's threads exchange through shared memory (every
+        # thread of the block must call this)
+        slots = cuda.shared.array(THREADS, float32)
+        tid = cuda.threadIdx.x
+        first = tid - tid % TILE_NX
+        for i in range(values.shape[0]):
+            cuda.syncthreads()
+            slots[tid] = values[i]
+            cuda.syncthreads()
+            total = slots[first]
+            for lane in range(first + 1, first + TILE_NX):
+                total = max(total, slots[lane]) if take_max else total + slots[lane]
+            values[i] = total
+        cuda.syncthreads()
+else:
+    @cuda.jit(device=True, inline=True)
+    def _row_reduce(values, take_max):
+        # values[i] <- its max (or sum) over the TILE_NX threads of register-tile row i: neighbouring
+        # lanes of one warp, so xor shuffles below TILE_NX stay among them; the rows' shuffles interleave
+        offset = TILE_NX // 2
+        while offset > 0:
+            for i in range(values.shape[0]):
+                other = cuda.shfl_xor_sync(runtime.FULL_MASK, values[i], offset)
+                values[i] = max(values[i], other) if take_max else values[i] + other
+            offset //= 2
 
 
 @cache
 def _kernels(D: int):
-    """The three attention kernels compiled for head size D (the backward two with their shared memory bytes)."""
-    DP = _cols_padded(D)
-    W = DP + 1   # shared row width: the +1 puts the rows a warp reads at one column in distinct banks
-    DJ = DP // NX   # head-dim columns per thread
-    fwd_p_width = FWD_KEYS + 1
-    DPB = _bwd_cols_padded(D)
-
-    @cuda.jit(device=True, inline=True)
-    def load_rows(tile, x, b, row0, head, n_rows, scale, tid, n_threads):
-        # tile[r, d] = scale * x[b, row0 + r, head, d] for d < DP; zero past n_rows and for d >= D
-        for i in range(tid, tile.shape[0] * DP, n_threads):
-            r, d = i // DP, i % DP
-            inside = row0 + r < n_rows and d < D
-            tile[r, d] = x[b, row0 + r, head, d] * scale if inside else float32(0.0)
+    """The three attention kernels compiled for head size D, each with its shared memory bytes."""
+    DPB = _cols_padded(D)
 
     @cuda.jit(device=True, inline=True)
     def zero(acc):
@@ -140,103 +132,27 @@ def _kernels(D: int):
             for j in range(acc.shape[1]):
                 acc[i, j] = 0.0
 
-    # forward: scores tile FWD_ROWS x FWD_KEYS, output tile FWD_ROWS x DP
-    fwd_ny = FWD_THREADS // NX
-    fwd_mi, fwd_mj = FWD_ROWS // fwd_ny, FWD_KEYS // NX
-    fwd_scores = _tile_product(fwd_mi, fwd_mj, fwd_ny, True, True)
-    fwd_values = _tile_product(fwd_mi, DJ, fwd_ny, True, False)
-
-    @cuda.jit(fastmath=True)
-    def forward(q, k, v, scale, o, lse):
-        # q (B, T, H, D), k, v (B, S, KV, D) -> o (B, T, H, D), lse (B, H, T);
-        # grid (T / FWD_ROWS, B * H), FWD_THREADS threads
-        B, T, H, _ = q.shape
-        S, KV = k.shape[1], k.shape[2]
-        b, h = cuda.blockIdx.y // H, cuda.blockIdx.y % H
-        kv = h // (H // KV)
-        tid = cuda.threadIdx.x
-        ty, tx = tid // NX, tid % NX
-        t0 = cuda.blockIdx.x * FWD_ROWS
-        q_tile = cuda.shared.array((FWD_ROWS, W), float32)
-        k_tile = cuda.shared.array((FWD_KEYS, W), float32)
-        v_tile = cuda.shared.array((FWD_KEYS, DP), float32)
-        p_tile = cuda.shared.array((FWD_ROWS, fwd_p_width), float32)
-        row_factor = cuda.shared.array(FWD_ROWS, float32)   # per tile the rescale of o, at the end 1 / sum
-        scores = cuda.local.array((fwd_mi, fwd_mj), float32)
-        acc = cuda.local.array((fwd_mi, DJ), float32)
-        zero(acc)
-        load_rows(q_tile, q, b, t0, h, T, scale, tid, FWD_THREADS)
-        row_max = float32(MASKED)   # running max and sum of row tid (threads tid < FWD_ROWS)
-        row_sum = float32(0.0)
-        keys_end = min(S, (S - T) + t0 + FWD_ROWS)   # the block's newest visible key + 1
-        for s0 in range(0, keys_end, FWD_KEYS):
-            cuda.syncthreads()
-            load_rows(k_tile, k, b, s0, kv, S, float32(1.0), tid, FWD_THREADS)
-            load_rows(v_tile, v, b, s0, kv, S, float32(1.0), tid, FWD_THREADS)
-            cuda.syncthreads()
-            zero(scores)
-            fwd_scores(scores, q_tile, k_tile, ty, tx, D)
-            for i in range(fwd_mi):
-                last_key = (S - T) + t0 + ty + fwd_ny * i
-                for j in range(fwd_mj):
-                    visible = s0 + tx + NX * j <= last_key
-                    p_tile[ty + fwd_ny * i, tx + NX * j] = scores[i, j] if visible else float32(MASKED)
-            cuda.syncthreads()
-            if tid < FWD_ROWS:   # online softmax of one row; key 0 is visible to all, so the max is finite
-                tile_max = float32(MASKED)
-                for c in range(FWD_KEYS):
-                    tile_max = max(tile_max, p_tile[tid, c])
-                new_max = max(row_max, tile_max)
-                tile_sum = float32(0.0)
-                for c in range(FWD_KEYS):
-                    p = math.exp(p_tile[tid, c] - new_max)
-                    p_tile[tid, c] = p
-                    tile_sum += p
-                rescale = math.exp(row_max - new_max)
-                row_sum = row_sum * rescale + tile_sum
-                row_max = new_max
-                row_factor[tid] = rescale
-            cuda.syncthreads()
-            for i in range(fwd_mi):
-                rescale = row_factor[ty + fwd_ny * i]
-                for j in range(DJ):
-                    acc[i, j] *= rescale
-            fwd_values(acc, p_tile, v_tile, ty, tx, FWD_KEYS)
-        cuda.syncthreads()
-        if tid < FWD_ROWS:
-            row_factor[tid] = float32(1.0) / row_sum
-            if t0 + tid < T:
-                lse[b, h, t0 + tid] = row_max + math.log(row_sum)
-        cuda.syncthreads()
-        for i in range(fwd_mi):
-            t = t0 + ty + fwd_ny * i
-            inv_sum = row_factor[ty + fwd_ny * i]
-            for j in range(DJ):
-                d = tx + NX * j
-                if t < T and d < D:
-                    o[b, t, h, d] = acc[i, j] * inv_sum
-
-    # The backward kernels keep every tile in one dynamic shared buffer. Tiles staged once per block
-    # are k-major (the summed index first), so a thread's four neighbouring rows are one aligned
-    # 16-byte load; the tiles streamed per step are stored row by row, as they lie in global memory,
-    # and serve both as k-minor operands (products over the head dims) and k-major ones (over rows).
+    # Every kernel keeps its tiles in one dynamic shared buffer. Tiles staged once per block are
+    # k-major (the summed index first), so a thread's four neighbouring rows are one aligned 16-byte
+    # load; the tiles streamed per step are stored row by row, as they lie in global memory, and
+    # serve both as k-minor operands (products over the head dims) and k-major ones (over rows).
     # The next step's tile is loaded into registers while the current one is multiplied (the loads'
     # latency hides behind the arithmetic) and stored into shared memory once the products are done.
-    TW = BWD_TILE + QUAD   # row width of a tile indexed by query rows or keys (padded against bank conflicts)
+    TW = TILE + QUAD   # row width of a tile indexed by query rows or keys (padded against bank conflicts)
     DW = DPB + QUAD        # row width of a tile indexed by head dims (an odd number of quads, see _quad_product)
-    mi, mj, dj = BWD_TILE // BWD_NY, BWD_TILE // BWD_NX, DPB // BWD_NX
-    per_thread = BWD_TILE * DPB // BWD_THREADS   # elements of a streamed tile each thread loads
-    bwd_scores = _quad_product(mi, mj, True)     # tile x tile products over the head dims
-    bwd_grads = _quad_product(mi, dj, False)     # tile x head-dim products over the tile's keys or rows
+    mi, mj, dj = TILE // TILE_NY, TILE // TILE_NX, DPB // TILE_NX
+    per_thread = TILE * DPB // THREADS   # elements of a streamed tile each thread loads
+    product_over_dims = _quad_product(mi, mj, True)     # tile x tile products over the head dims
+    product_over_tile = _quad_product(mi, dj, False)     # tile x head-dim products over the tile's keys or rows
 
     @cuda.jit(device=True, inline=True)
     def fetch(values, x, b, row0, head, n_rows, scale, tid):
-        # values[n] = scale * x[b, row0 + r, head, d] for element i = tid + n * BWD_THREADS = r * DPB + d
-        # of a BWD_TILE x DPB tile; zero past n_rows and D. The load reads a clamped, in-bounds element
+        # values[n] = scale * x[b, row0 + r, head, d] for element i = tid + n * THREADS = r * DPB + d
+        # of a TILE x DPB tile; zero past n_rows and D. The load reads a clamped, in-bounds element
         # and the value is dropped outside, so no branch separates the loads; unsigned indices skip
         # the negative-index wraparound.
         for n in range(per_thread):
-            i = uint64(tid + n * BWD_THREADS)
+            i = uint64(tid + n * THREADS)
             r, d = int64(i // uint64(DPB)), int64(i % uint64(DPB))
             row = row0 + r
             value = x[uint64(b), uint64(min(row, n_rows - 1)), uint64(head), uint64(min(d, D - 1))]
@@ -246,28 +162,113 @@ def _kernels(D: int):
     def put(sh, base, values, transposed, tid):
         # the fetched tile into sh[base + d * TW + r] if transposed else sh[base + r * DW + d]
         for n in range(per_thread):
-            i = uint64(tid + n * BWD_THREADS)
+            i = uint64(tid + n * THREADS)
             r, d = i // uint64(DPB), i % uint64(DPB)
             sh[uint64(base) + (d * uint64(TW) + r if transposed else r * uint64(DW) + d)] = values[n]
 
-    # dq shared buffer (offsets in floats): q^T, do^T (DPB x TW, staged once), k, v (BWD_TILE x DW), dS^T (BWD_TILE x TW)
-    DQ_QT, DQ_DOT = 0, DPB * TW
-    DQ_K = 2 * DPB * TW
-    DQ_V = DQ_K + BWD_TILE * DW
-    DQ_DST = DQ_V + BWD_TILE * DW
-    dq_shared_bytes = 4 * (DQ_DST + BWD_TILE * TW)
+    # forward shared buffer (offsets in floats): q^T (DPB x TW, staged once), k, v (TILE x DW), P^T (TILE x TW)
+    FWD_QT, FWD_K = 0, DPB * TW
+    FWD_V = FWD_K + TILE * DW
+    FWD_PT = FWD_V + TILE * DW
+    forward_shared_bytes = 4 * (FWD_PT + TILE * TW)
 
-    @cuda.jit(fastmath=True, **BWD_JIT_OPTIONS)
-    def dq_kernel(do, q, k, v, o, lse, scale, dq, di):
-        # do, q, o (B, T, H, D), k, v (B, S, KV, D), lse (B, H, T) -> dq (B, T, H, D), di (B, H, T);
-        # grid (B * H, T / BWD_TILE), BWD_THREADS threads: BWD_TILE query rows against BWD_TILE keys per step
+    @cuda.jit(fastmath=True, **JIT_OPTIONS)
+    def forward_kernel(q, k, v, scale, o, lse):
+        # q (B, T, H, D), k, v (B, S, KV, D) -> o (B, T, H, D), lse (B, H, T);
+        # grid (B * H, T / TILE), THREADS threads: TILE query rows against TILE keys per step
         B, T, H, _ = q.shape
         S, KV = k.shape[1], k.shape[2]
         b, h = cuda.blockIdx.x // H, cuda.blockIdx.x % H
         kv = h // (H // KV)
         tid = cuda.threadIdx.x
-        ty, tx = tid // BWD_NX, tid % BWD_NX
-        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * BWD_TILE   # the last rows, with the most keys, start first
+        ty, tx = tid // TILE_NX, tid % TILE_NX
+        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * TILE   # the last rows, with the most keys, start first
+        sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)
+        scores = cuda.local.array((mi, mj), float32)   # the scores, then exp(score - row max)
+        acc = cuda.local.array((mi, dj), float32)
+        row_max = cuda.local.array(mi, float32)   # running max of each row's scores (the same in all its threads)
+        row_sum = cuda.local.array(mi, float32)   # this thread's share of each row's running sum of exp
+        tile_max = cuda.local.array(mi, float32)   # each row's max over the tile's keys
+        k_next = cuda.local.array(per_thread, float32)   # the next key tile (first q, on its way to q^T)
+        v_next = cuda.local.array(per_thread, float32)
+        zero(acc)
+        for i in range(mi):
+            row_max[i] = MASKED
+            row_sum[i] = 0.0
+        fetch(k_next, q, b, t0, h, T, scale, tid)
+        put(sh, FWD_QT, k_next, True, tid)
+        fetch(k_next, k, b, 0, kv, S, float32(1.0), tid)
+        fetch(v_next, v, b, 0, kv, S, float32(1.0), tid)
+        put(sh, FWD_K, k_next, False, tid)
+        put(sh, FWD_V, v_next, False, tid)
+        keys_end = min(S, (S - T) + t0 + TILE)   # the block's newest visible key + 1
+        for s0 in range(0, keys_end, TILE):
+            cuda.syncthreads()
+            zero(scores)
+            product_over_dims(scores, sh, FWD_QT, TW, FWD_K, DW, ty, tx, D)
+            for i in range(mi):
+                last_key = (S - T) + t0 + _quad_index(ty, TILE_NY, i)
+                tile_max[i] = MASKED
+                for j in range(mj):
+                    if s0 + tx + TILE_NX * j > last_key:
+                        scores[i, j] = MASKED
+                    tile_max[i] = max(tile_max[i], scores[i, j])
+            _row_reduce(tile_max, True)
+            for i in range(mi):   # online softmax; key 0 is visible to every row, so the max is finite
+                new_max = max(row_max[i], tile_max[i])
+                rescale = math.exp(row_max[i] - new_max)
+                row_max[i] = new_max
+                row_sum[i] *= rescale
+                for j in range(mj):
+                    scores[i, j] = math.exp(scores[i, j] - new_max)
+                    row_sum[i] += scores[i, j]
+                for j in range(dj):
+                    acc[i, j] *= rescale
+            for j in range(mj):   # P^T, a quad of rows as one 16-byte store
+                c = tx + TILE_NX * j
+                for i0 in range(0, mi, QUAD):
+                    r = _quad_index(ty, TILE_NY, i0)
+                    for n in range(QUAD):
+                        sh[uint64(FWD_PT + c * TW + r) + uint64(n)] = scores[i0 + n, j]
+            has_next = s0 + TILE < keys_end
+            if has_next:
+                fetch(k_next, k, b, s0 + TILE, kv, S, float32(1.0), tid)
+                fetch(v_next, v, b, s0 + TILE, kv, S, float32(1.0), tid)
+            cuda.syncthreads()
+            product_over_tile(acc, sh, FWD_PT, TW, FWD_V, DW, ty, tx, TILE)
+            cuda.syncthreads()   # k, v and P^T are read: the next keys take their place
+            if has_next:
+                put(sh, FWD_K, k_next, False, tid)
+                put(sh, FWD_V, v_next, False, tid)
+        _row_reduce(row_sum, False)   # each row's whole sum
+        for i in range(mi):
+            t = t0 + _quad_index(ty, TILE_NY, i)
+            if tx == 0 and t < T:
+                lse[b, h, t] = row_max[i] + math.log(row_sum[i])
+            inv_sum = float32(1.0) / row_sum[i]
+            for j in range(dj):
+                d = _quad_index(tx, TILE_NX, j)
+                if t < T and d < D:
+                    o[b, t, h, d] = acc[i, j] * inv_sum
+
+    # dq shared buffer (offsets in floats): q^T, do^T (DPB x TW, staged once), k, v (TILE x DW), dS^T (TILE x TW)
+    DQ_QT, DQ_DOT = 0, DPB * TW
+    DQ_K = 2 * DPB * TW
+    DQ_V = DQ_K + TILE * DW
+    DQ_DST = DQ_V + TILE * DW
+    dq_shared_bytes = 4 * (DQ_DST + TILE * TW)
+
+    @cuda.jit(fastmath=True, **JIT_OPTIONS)
+    def dq_kernel(do, q, k, v, o, lse, scale, dq, di):
+        # do, q, o (B, T, H, D), k, v (B, S, KV, D), lse (B, H, T) -> dq (B, T, H, D), di (B, H, T);
+        # grid (B * H, T / TILE), THREADS threads: TILE query rows against TILE keys per step
+        B, T, H, _ = q.shape
+        S, KV = k.shape[1], k.shape[2]
+        b, h = cuda.blockIdx.x // H, cuda.blockIdx.x % H
+        kv = h // (H // KV)
+        tid = cuda.threadIdx.x
+        ty, tx = tid // TILE_NX, tid % TILE_NX
+        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * TILE   # the last rows, with the most keys, start first
         sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)
         scores = cuda.local.array((mi, mj), float32)
         dp = cuda.local.array((mi, mj), float32)
@@ -289,7 +290,7 @@ def _kernels(D: int):
             v_next[n] *= k_next[n]
         put(sh, DQ_K, v_next, False, tid)
         cuda.syncthreads()
-        if tid < BWD_TILE:
+        if tid < TILE:
             total = float32(0.0)
             for d in range(D):
                 total += sh[DQ_K + tid * DW + d]
@@ -298,86 +299,86 @@ def _kernels(D: int):
                 di[b, h, t0 + tid] = total
         cuda.syncthreads()
         for i in range(mi):
-            t = t0 + _quad_index(ty, BWD_NY, i)
+            t = t0 + _quad_index(ty, TILE_NY, i)
             row_lse[i] = lse[b, h, t] if t < T else float32(0.0)
-            row_di[i] = sh[DQ_DST + _quad_index(ty, BWD_NY, i)]
+            row_di[i] = sh[DQ_DST + _quad_index(ty, TILE_NY, i)]
         fetch(k_next, k, b, 0, kv, S, float32(1.0), tid)
         fetch(v_next, v, b, 0, kv, S, float32(1.0), tid)
         put(sh, DQ_K, k_next, False, tid)
         put(sh, DQ_V, v_next, False, tid)
-        keys_end = min(S, (S - T) + t0 + BWD_TILE)
-        for s0 in range(0, keys_end, BWD_TILE):
+        keys_end = min(S, (S - T) + t0 + TILE)
+        for s0 in range(0, keys_end, TILE):
             cuda.syncthreads()
             zero(scores)
             zero(dp)
-            bwd_scores(scores, sh, DQ_QT, TW, DQ_K, DW, ty, tx, D)
-            bwd_scores(dp, sh, DQ_DOT, TW, DQ_V, DW, ty, tx, D)
+            product_over_dims(scores, sh, DQ_QT, TW, DQ_K, DW, ty, tx, D)
+            product_over_dims(dp, sh, DQ_DOT, TW, DQ_V, DW, ty, tx, D)
             for j in range(mj):
-                c = tx + BWD_NX * j
+                c = tx + TILE_NX * j
                 for i0 in range(0, mi, QUAD):   # a quad of rows goes out as one 16-byte store
-                    r = _quad_index(ty, BWD_NY, i0)
+                    r = _quad_index(ty, TILE_NY, i0)
                     for n in range(QUAD):
                         visible = s0 + c <= (S - T) + t0 + r + n
                         x = scores[i0 + n, j] - row_lse[i0 + n] if visible else float32(MASKED)
                         ds_quad[n] = math.exp(x) * (dp[i0 + n, j] - row_di[i0 + n])
                     for n in range(QUAD):
                         sh[uint64(DQ_DST + c * TW + r) + uint64(n)] = ds_quad[n]
-            has_next = s0 + BWD_TILE < keys_end
+            has_next = s0 + TILE < keys_end
             if has_next:
-                fetch(k_next, k, b, s0 + BWD_TILE, kv, S, float32(1.0), tid)
-                fetch(v_next, v, b, s0 + BWD_TILE, kv, S, float32(1.0), tid)
+                fetch(k_next, k, b, s0 + TILE, kv, S, float32(1.0), tid)
+                fetch(v_next, v, b, s0 + TILE, kv, S, float32(1.0), tid)
             cuda.syncthreads()
-            bwd_grads(acc, sh, DQ_DST, TW, DQ_K, DW, ty, tx, BWD_TILE)
+            product_over_tile(acc, sh, DQ_DST, TW, DQ_K, DW, ty, tx, TILE)
             cuda.syncthreads()   # k and dS^T are read: the next keys take their place
             if has_next:
                 put(sh, DQ_K, k_next, False, tid)
                 put(sh, DQ_V, v_next, False, tid)
         for i in range(mi):
-            t = t0 + _quad_index(ty, BWD_NY, i)
+            t = t0 + _quad_index(ty, TILE_NY, i)
             for j in range(dj):
-                d = _quad_index(tx, BWD_NX, j)
+                d = _quad_index(tx, TILE_NX, j)
                 if t < T and d < D:
                     dq[b, t, h, d] = acc[i, j] * scale
 
-    # dkdv shared buffer: k^T, v^T (DPB x TW, staged once), then per query tile q, do (BWD_TILE x DW),
-    # P, dS (BWD_TILE query rows x TW keys), lse, di
+    # dkdv shared buffer: k^T, v^T (DPB x TW, staged once), then per query tile q, do (TILE x DW),
+    # P, dS (TILE query rows x TW keys), lse, di
     KV_KT, KV_VT = 0, DPB * TW
     KV_Q = 2 * DPB * TW
-    KV_DO = KV_Q + BWD_TILE * DW
-    KV_P = KV_DO + BWD_TILE * DW
-    KV_DS = KV_P + BWD_TILE * TW
-    KV_LSE = KV_DS + BWD_TILE * TW
-    KV_DI = KV_LSE + BWD_TILE
-    dkdv_shared_bytes = 4 * (KV_DI + BWD_TILE)
+    KV_DO = KV_Q + TILE * DW
+    KV_P = KV_DO + TILE * DW
+    KV_DS = KV_P + TILE * TW
+    KV_LSE = KV_DS + TILE * TW
+    KV_DI = KV_LSE + TILE
+    dkdv_shared_bytes = 4 * (KV_DI + TILE)
 
     @cuda.jit(device=True, inline=True)
     def fetch_rows(q_next, do_next, q, do, lse, di, b, h, t0, T, scale, tid):
-        # one step's query tile of q and do into registers, and (threads tid < BWD_TILE) its row's lse, di
+        # one step's query tile of q and do into registers, and (threads tid < TILE) its row's lse, di
         fetch(q_next, q, b, t0, h, T, scale, tid)
         fetch(do_next, do, b, t0, h, T, float32(1.0), tid)
-        inside = tid < BWD_TILE and t0 + tid < T
+        inside = tid < TILE and t0 + tid < T
         return (lse[b, h, t0 + tid] if inside else float32(0.0)), (di[b, h, t0 + tid] if inside else float32(0.0))
 
     @cuda.jit(device=True, inline=True)
     def put_rows(sh, q_next, do_next, lse_next, di_next, tid):
         put(sh, KV_Q, q_next, False, tid)
         put(sh, KV_DO, do_next, False, tid)
-        if tid < BWD_TILE:
+        if tid < TILE:
             sh[KV_LSE + tid] = lse_next
             sh[KV_DI + tid] = di_next
 
-    @cuda.jit(fastmath=True, **BWD_JIT_OPTIONS)
+    @cuda.jit(fastmath=True, **JIT_OPTIONS)
     def dkdv_kernel(do, q, k, v, lse, di, scale, dk, dv):
         # do, q (B, T, H, D), k, v (B, S, KV, D), lse, di (B, H, T) -> dk, dv (B, S, KV, D);
-        # grid (B * KV, S / BWD_TILE), BWD_THREADS threads: BWD_TILE keys against BWD_TILE query rows per
+        # grid (B * KV, S / TILE), THREADS threads: TILE keys against TILE query rows per
         # step, over every query head of the group, so the group's gradients add up in registers
         B, T, H, _ = q.shape
         S, KV = k.shape[1], k.shape[2]
         group = H // KV
         b, kv = cuda.blockIdx.x // KV, cuda.blockIdx.x % KV
         tid = cuda.threadIdx.x
-        ty, tx = tid // BWD_NX, tid % BWD_NX
-        s0 = cuda.blockIdx.y * BWD_TILE   # the first keys, seen by the most query rows, start first
+        ty, tx = tid // TILE_NX, tid % TILE_NX
+        s0 = cuda.blockIdx.y * TILE   # the first keys, seen by the most query rows, start first
         sh = cuda.shared.array(0, float32, alignment=SHARED_ALIGN)
         scores = cuda.local.array((mi, mj), float32)   # transposed: [key, query row]
         dp = cuda.local.array((mi, mj), float32)
@@ -396,25 +397,25 @@ def _kernels(D: int):
         fetch(q_next, v, b, s0, kv, S, float32(1.0), tid)
         put(sh, KV_VT, q_next, True, tid)
         first_query = max(0, s0 - (S - T))   # earlier queries see none of this block's keys
-        tiles = (T - first_query + BWD_TILE - 1) // BWD_TILE   # query tiles per head
+        tiles = (T - first_query + TILE - 1) // TILE   # query tiles per head
         h0 = kv * group
         lse_next, di_next = fetch_rows(q_next, do_next, q, do, lse, di, b, h0, first_query, T, scale, tid)
         put_rows(sh, q_next, do_next, lse_next, di_next, tid)
         for step in range(group * tiles):
-            t0 = first_query + (step % tiles) * BWD_TILE
+            t0 = first_query + (step % tiles) * TILE
             cuda.syncthreads()
             zero(scores)
             zero(dp)
-            bwd_scores(scores, sh, KV_KT, TW, KV_Q, DW, ty, tx, D)
-            bwd_scores(dp, sh, KV_VT, TW, KV_DO, DW, ty, tx, D)
+            product_over_dims(scores, sh, KV_KT, TW, KV_Q, DW, ty, tx, D)
+            product_over_dims(dp, sh, KV_VT, TW, KV_DO, DW, ty, tx, D)
             for j in range(mj):
-                c = tx + BWD_NX * j
+                c = tx + TILE_NX * j
                 row_lse[j] = sh[KV_LSE + c]
                 row_di[j] = sh[KV_DI + c]
             for j in range(mj):
-                c = tx + BWD_NX * j
+                c = tx + TILE_NX * j
                 for i0 in range(0, mi, QUAD):   # a quad of keys goes out as one 16-byte store
-                    r = _quad_index(ty, BWD_NY, i0)
+                    r = _quad_index(ty, TILE_NY, i0)
                     for n in range(QUAD):
                         visible = (t0 + c < T) & (s0 + r + n <= (S - T) + t0 + c)
                         p_quad[n] = math.exp(scores[i0 + n, j] - row_lse[j] if visible else float32(MASKED))
@@ -427,32 +428,33 @@ def _kernels(D: int):
             if has_next:
                 next_step = step + 1
                 lse_next, di_next = fetch_rows(q_next, do_next, q, do, lse, di, b, h0 + next_step // tiles,
-                                               first_query + (next_step % tiles) * BWD_TILE, T, scale, tid)
+                                               first_query + (next_step % tiles) * TILE, T, scale, tid)
             cuda.syncthreads()
-            bwd_grads(dv_acc, sh, KV_P, TW, KV_DO, DW, ty, tx, BWD_TILE)
-            bwd_grads(dk_acc, sh, KV_DS, TW, KV_Q, DW, ty, tx, BWD_TILE)
+            product_over_tile(dv_acc, sh, KV_P, TW, KV_DO, DW, ty, tx, TILE)
+            product_over_tile(dk_acc, sh, KV_DS, TW, KV_Q, DW, ty, tx, TILE)
             cuda.syncthreads()   # q, do, P and dS are read: the next query tile takes their place
             if has_next:
                 put_rows(sh, q_next, do_next, lse_next, di_next, tid)
         for i in range(mi):
-            s = s0 + _quad_index(ty, BWD_NY, i)
+            s = s0 + _quad_index(ty, TILE_NY, i)
             for j in range(dj):
-                d = _quad_index(tx, BWD_NX, j)
+                d = _quad_index(tx, TILE_NX, j)
                 if s < S and d < D:
                     dk[b, s, kv, d] = dk_acc[i, j]
                     dv[b, s, kv, d] = dv_acc[i, j]
 
-    return forward, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes)
+    return (forward_kernel, forward_shared_bytes), (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes)
 
 
 def forward(q, k, v):
     check_shapes(q, k, v)
     B, T, H, D = q.shape
-    kernel = _kernels(D)[0]
+    kernel, shared_bytes = _kernels(D)[0]
     o = runtime.empty(q.shape, q.dtype)
     lse = runtime.empty((B, H, T), q.dtype)
-    runtime.launch(kernel, (runtime.blocks_for(T, FWD_ROWS), B * H), FWD_THREADS,
-                   q, k, v, float32(1.0 / math.sqrt(D)), o, lse)
+    # The tile index is the grid's slow dimension: the blocks with the most keys start first
+    _launch_with_shared(kernel, (B * H, runtime.blocks_for(T, TILE)), THREADS, shared_bytes,
+                        q, k, v, float32(1.0 / math.sqrt(D)), o, lse)
     return o, (o, lse)
 
 
@@ -486,10 +488,10 @@ def backward(do, saved, q, k, v):
     dq = runtime.empty(q.shape, q.dtype)
     dk = runtime.empty(k.shape, k.dtype)
     dv = runtime.empty(v.shape, v.dtype)
-    # The tile index is the grid's slow dimension: blocks start roughly in index order, so those
-    # with the most causal steps start first and the grid ends on short ones
-    _launch_with_shared(dq_kernel, (B * H, runtime.blocks_for(T, BWD_TILE)), BWD_THREADS, dq_shared_bytes,
+    # As in the forward: blocks start roughly in index order, so those with the most causal steps
+    # start first and the grid ends on short ones
+    _launch_with_shared(dq_kernel, (B * H, runtime.blocks_for(T, TILE)), THREADS, dq_shared_bytes,
                         do, q, k, v, o, lse, scale, dq, di)
-    _launch_with_shared(dkdv_kernel, (B * KV, runtime.blocks_for(S, BWD_TILE)), BWD_THREADS, dkdv_shared_bytes,
+    _launch_with_shared(dkdv_kernel, (B * KV, runtime.blocks_for(S, TILE)), THREADS, dkdv_shared_bytes,
                         do, q, k, v, lse, di, scale, dk, dv)
     return dq, dk, dv
