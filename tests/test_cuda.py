@@ -112,14 +112,9 @@ def test_linear_tf32_within_its_bound():
 
 
 def test_graph_replay_matches_eager():
-    """A captured CUDA graph of a few ops replays on the arena's buffers and tracks new inputs."""
-    from cuda.core import Device
+    """BACKEND.capture: a CUDA graph of a few ops replays on the arena's buffers and tracks new inputs."""
+    from nanoeuler_ops.cuda import BACKEND, linear, rmsnorm, swiglu
 
-    from nanoeuler_ops.cuda import BACKEND, cublas, runtime
-    from nanoeuler_ops.cuda import linear, rmsnorm, swiglu
-
-    device = Device()
-    device.set_current()
     rng = np.random.default_rng(3)
     x = BACKEND.asarray(rng.standard_normal((N, C)))
     norm_w = BACKEND.asarray(1.0 + 0.1 * rng.standard_normal(C))
@@ -130,22 +125,9 @@ def test_graph_replay_matches_eager():
         y, _ = swiglu.forward(linear.forward(h, w_gate)[0], linear.forward(h, w_up)[0])
         return y
 
-    with runtime.ARENA.recording():
-        recorded = step()
-    builder = device.create_graph_builder()
-    if cublas.uses_cublas():
-        cublas.handle_for(int(builder.stream.handle))
-    builder.begin_building()
-    with runtime.on_stream(builder, capturing=True), runtime.ARENA.replaying():
-        captured = step()
-    graph = builder.end_building().complete()
-    assert captured.device_ctypes_pointer.value == recorded.device_ctypes_pointer.value  # the same memory
-
-    new_x = rng.standard_normal((N, C)).astype(np.float32)
-    x.copy_to_device(new_x)
-    stream = device.create_stream()
-    graph.launch(stream)
-    stream.sync()
-    replayed = captured.copy_to_host()
-    eager = step().copy_to_host()
-    assert np.array_equal(replayed, eager)
+    replay, first = BACKEND.capture(step)
+    x.copy_to_device(rng.standard_normal((N, C)).astype(np.float32))
+    replayed = replay()
+    BACKEND.synchronize()
+    assert replayed is first  # the same buffers, new values
+    assert np.array_equal(replayed.copy_to_host(), step().copy_to_host())
