@@ -15,16 +15,17 @@ import time
 import numpy as np
 
 from nanoeuler_core import Model, ModelConfig
+from nanoeuler_core.inference.generate import new_kv_cache, next_logits
 
 
 def decode_with_cache(model: Model, prompt: list[int], n: int) -> list[int]:
-    kv = model.new_kv_cache()
-    logits = model.next_logits(prompt, kv, 0)
+    kv = new_kv_cache(model)
+    logits = next_logits(model, prompt, kv, 0)
     out = []
     for position in range(len(prompt), len(prompt) + n):
         out.append(int(np.argmax(logits)))
         if len(out) < n:
-            logits = model.next_logits(out[-1:], kv, position)
+            logits = next_logits(model, out[-1:], kv, position)
     return out
 
 
@@ -38,7 +39,7 @@ def decode_recomputing(model: Model, prompt: list[int], n: int) -> list[int]:
 def decode_torch(model: Model, prompt: list[int], n: int) -> list[int]:
     import torch
 
-    from nanoeuler_core.torch_peer import TorchModel
+    from nanoeuler_core.bench.torch_peer import TorchModel
 
     peer = TorchModel(model.cfg).load(model.params)
     ids = torch.tensor([prompt])

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from nanoeuler_core.tokenizer import Tokenizer
+from nanoeuler_core.text.tokenizer import Tokenizer
 
 CORPUS = Path(__file__).parents[1] / "data" / "tinyshakespeare.txt"
 DOCUMENT_CHARS = 10_000

@@ -15,8 +15,8 @@ THREAD_ENV_SET_HERE = [name for name in THREAD_ENV if name not in os.environ]
 for _name in THREAD_ENV_SET_HERE:
     os.environ[_name] = THREAD_ENV[_name]
 
-from nanoeuler_core.config import ModelConfig  # noqa: E402
-from nanoeuler_core.model import Model  # noqa: E402
+from nanoeuler_core.engine.config import ModelConfig  # noqa: E402
+from nanoeuler_core.engine.model import Model  # noqa: E402
 
 __all__ = ["ModelConfig", "Model", "Tokenizer"]
 
@@ -24,7 +24,7 @@ __all__ = ["ModelConfig", "Model", "Tokenizer"]
 def __getattr__(name):
     # The tokenizer is imported on first use: starting the engine does not need it.
     if name == "Tokenizer":
-        from nanoeuler_core.tokenizer import Tokenizer
+        from nanoeuler_core.text.tokenizer import Tokenizer
 
         return Tokenizer
     raise AttributeError(f"module 'nanoeuler_core' has no attribute {name!r}")

@@ -21,9 +21,9 @@ if not _cuda_driver_present():
 @pytest.fixture(scope="session")
 def tok():
     """A small tokenizer trained on prompts like the bundled instruction tasks."""
-    from nanoeuler_core import sft
-    from nanoeuler_core.sft import render_prompt
-    from nanoeuler_core.tokenizer import Tokenizer
+    from nanoeuler_core.training import sft
+    from nanoeuler_core.inference.chat import render_prompt
+    from nanoeuler_core.text.tokenizer import Tokenizer
 
     lines = sft.bundled_tasks().read_text(encoding="utf-8").splitlines()[:300]
     examples = [json.loads(line) for line in lines]

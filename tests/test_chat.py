@@ -4,9 +4,9 @@
 import pytest
 from typer.testing import CliRunner
 
-from nanoeuler_core.chat import Conversation, chat, check_messages, fit_context, render
-from nanoeuler_core.sft import render_prompt
-from nanoeuler_core.train import load_model
+from nanoeuler_core.inference.chat import Conversation, chat, check_messages, fit_context, render
+from nanoeuler_core.inference.chat import render_prompt
+from nanoeuler_core.inference.loading import load_model
 from finetune_helpers import cli, make_base_run
 
 

@@ -8,7 +8,7 @@ import pytest
 from numba import cuda
 
 from nanoeuler_core import registry
-from nanoeuler_core.gradcheck import run_backend
+from nanoeuler_core.engine.gradcheck import run_backend
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(bool(numba.config.ENABLE_CUDASIM) or not cuda.is_available(),

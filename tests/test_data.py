@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from nanoeuler_core import data, datasets
+from nanoeuler_core.corpus import downloads as datasets
+from nanoeuler_core.corpus import tokens as data
 from nanoeuler_core.cli.data import app
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from nanoeuler_core import dpo, registry
-from nanoeuler_core.checkpoint import read_json
-from nanoeuler_core.config import ModelConfig
-from nanoeuler_core.model import Model
-from nanoeuler_core.train import load_model
+from nanoeuler_core import registry
+from nanoeuler_core.training import dpo
+from nanoeuler_core.engine.checkpoint import read_json
+from nanoeuler_core.engine.config import ModelConfig
+from nanoeuler_core.engine.model import Model
+from nanoeuler_core.inference.loading import load_model
 from finetune_helpers import TINY, cli, make_base_run, write_jsonl
 
 WORDS = ("night", "sword", "crown", "blood", "heart", "grace", "honour", "tongue")

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from nanoeuler_core import Model, ModelConfig, registry
-from nanoeuler_core.checkpoint import CheckpointError
-from nanoeuler_core.gradcheck import check_model_backend, check_model_finite_differences, tiny_batch, tiny_config
-from nanoeuler_core.model import sample_token
+from nanoeuler_core.engine.checkpoint import CheckpointError
+from nanoeuler_core.engine.gradcheck import check_model_backend, check_model_finite_differences, tiny_batch, tiny_config
+from nanoeuler_core.inference.generate import new_kv_cache, next_logits, sample_token
 
 MODEL_BACKENDS = [b for b, be in registry.backends().items() if b != "reference" and be.available()]
 
@@ -136,8 +136,8 @@ def test_kv_cache_matches_full_forward(backend):
     model = Model(cfg, backend=backend, seed=4)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, cfg.ctx_len)
     full = model.forward(ids[None])[0]
-    kv = model.new_kv_cache()
-    steps = [model.next_logits(ids[:3], kv, 0)] + [model.next_logits(ids[t:t + 1], kv, t) for t in range(3, len(ids))]
+    kv = new_kv_cache(model)
+    steps = [next_logits(model, ids[:3], kv, 0)] + [next_logits(model, ids[t:t + 1], kv, t) for t in range(3, len(ids))]
     tol = 1e-10 if backend == "reference" else 1e-4
     np.testing.assert_allclose(steps[0], full[2], atol=tol)
     np.testing.assert_allclose(np.array(steps[1:]), full[3:], atol=tol)
@@ -155,7 +155,7 @@ def test_sample_token_filters():
 
 def test_matches_pytorch_where_installed():
     torch = pytest.importorskip("torch")
-    from nanoeuler_core.torch_peer import TorchModel
+    from nanoeuler_core.bench.torch_peer import TorchModel
 
     cfg = tiny_config()
     model = Model(cfg, backend="reference", seed=7)

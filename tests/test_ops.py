@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from nanoeuler_core import registry
-from nanoeuler_core.gradcheck import check_op
+from nanoeuler_core.engine.gradcheck import check_op
 
 OPS = sorted(registry.ops())
 

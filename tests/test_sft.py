@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from nanoeuler_core import sft
-from nanoeuler_core.checkpoint import read_json
-from nanoeuler_core.config import ModelConfig
-from nanoeuler_core.model import Model
-from nanoeuler_core.sft import Example, collate, encode_example, load_examples, render_prompt
-from nanoeuler_core.train import load_model
+from nanoeuler_core.training import sft
+from nanoeuler_core.engine.checkpoint import read_json
+from nanoeuler_core.engine.config import ModelConfig
+from nanoeuler_core.engine.model import Model
+from nanoeuler_core.training.sft import Example, collate, encode_example, load_examples, render_prompt
+from nanoeuler_core.inference.loading import load_model
 from nanoeuler_data import make_tasks
 
 from finetune_helpers import TINY, cli, make_base_run, write_jsonl

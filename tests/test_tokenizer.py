@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from nanoeuler_core.cli.tokenizer import app
-from nanoeuler_core.tokenizer import BYTE_TO_CHAR, Tokenizer, TokenizerError, _line_chunks, pretokenize
+from nanoeuler_core.text.tokenizer import BYTE_TO_CHAR, Tokenizer, TokenizerError, _line_chunks, pretokenize
 
 tokenizers = pytest.importorskip("tokenizers")
 

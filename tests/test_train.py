@@ -13,10 +13,12 @@ import numpy as np
 import orjson
 import pytest
 
-from nanoeuler_core import checkpoint, train
-from nanoeuler_core.data import default_corpus
-from nanoeuler_core.optim import lr_at
-from nanoeuler_core.tokenizer import Tokenizer
+from nanoeuler_core.engine import checkpoint
+from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.training import pretrain as train
+from nanoeuler_core.corpus.tokens import default_corpus
+from nanoeuler_core.engine.optim import lr_at
+from nanoeuler_core.text.tokenizer import Tokenizer
 
 CORPUS_CHARS = 60_000
 
@@ -79,7 +81,7 @@ def test_resume_continues_exactly(corpus_and_tokenizer, tmp_path):
     assert resumed.optimizer.step_count == 6
     train.train(resumed, quiet)
     assert losses(tmp_path / "half") == losses(tmp_path / "straight")
-    a, b = train.load_model(tmp_path / "half")[0].params, train.load_model(tmp_path / "straight")[0].params
+    a, b = load_model(tmp_path / "half")[0].params, load_model(tmp_path / "straight")[0].params
     assert all(np.array_equal(a[n], b[n]) for n in a)
 
 
@@ -107,7 +109,7 @@ def test_crash_between_checkpoint_renames_rolls_forward(corpus_and_tokenizer, tm
 def test_crash_while_writing_keeps_last_good_checkpoint(corpus_and_tokenizer, tmp_path, monkeypatch):
     run = train.start_run(tmp_path / "run", config(corpus_and_tokenizer, steps=4), quiet)
     train.train(run, quiet)
-    good = train.load_model(tmp_path / "run")[0].params
+    good = load_model(tmp_path / "run")[0].params
     real_write = checkpoint.atomic_write
 
     def disk_full_on_model(path, data):
@@ -144,7 +146,7 @@ def test_kill_during_checkpoint_write_resumes_from_last_good(corpus_and_tokenize
     """kill -9 the trainer in the middle of its second checkpoint, between writing the two files."""
     script = (
         "import os, signal, sys\n"
-        "from nanoeuler_core import checkpoint\n"
+        "from nanoeuler_core.engine import checkpoint\n"
         "real, model_writes = checkpoint.atomic_write, []\n"
         "def write(path, data):\n"
         "    if str(path).endswith('model.safetensors.pending'):\n"

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.filesize import decimal
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from nanoeuler_core import datasets
+from nanoeuler_core.corpus import downloads as datasets
 
 app = typer.Typer(
     help="Download real corpora: Project Gutenberg books, a FineWeb-Edu slice, the Alpaca instruction set.",

@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from nanoeuler_core import gradcheck, registry
+from nanoeuler_core import registry
+from nanoeuler_core.engine import gradcheck
 
 
 def ops() -> None:
@@ -77,7 +78,7 @@ def selftest(
     seed: int = typer.Option(0, help="seed for the inputs"),
 ) -> None:
     """Every kernel of BACKEND against the CPU, the `small` model's gradients, and the captured step."""
-    from nanoeuler_core.config import ModelConfig
+    from nanoeuler_core.engine.config import ModelConfig
 
     be = registry.backend(backend)
     if backend == "cpu" or not be.available():
@@ -122,7 +123,7 @@ def bench(
     """Training tokens/s, model FLOPs utilisation and peak memory, against PyTorch on the same machine."""
     import tempfile
 
-    from nanoeuler_core import bench as benchmark
+    from nanoeuler_core.bench import training as benchmark
 
     if registry.backend(backend).name == "reference" or steps < 1 or batch_size < 1:
         raise ValueError("bench needs --backend cpu or cuda, and positive --steps and --batch-size")

@@ -8,11 +8,13 @@ from typing import Iterator, Optional
 
 import typer
 
-from nanoeuler_core import checkpoint, dpo, sft
-from nanoeuler_core import train as training
-from nanoeuler_core.chat import Conversation
+from nanoeuler_core.engine import checkpoint
+from nanoeuler_core.training import dpo, sft
+from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.training import pretrain as training
+from nanoeuler_core.inference.chat import Conversation
 from nanoeuler_core.cli.train import stream_text
-from nanoeuler_core.model import check_sampling
+from nanoeuler_core.inference.generate import check_sampling
 
 
 def _log(msg: str) -> None:
@@ -113,7 +115,7 @@ def chat_command(
 ) -> None:
     """Talk to the model in RUN_DIR, one line per message; /reset starts over, /quit leaves."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
-    model, tok = training.load_model(run_dir, backend)
+    model, tok = load_model(run_dir, backend)
     template = checkpoint.read_json(Path(run_dir) / "config.json").get("training", {}).get("template")
     if template not in (None, sft.TEMPLATE):
         raise ValueError(f"{run_dir} was fine-tuned with template '{template}', which this version does not know "

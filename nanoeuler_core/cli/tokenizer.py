@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from nanoeuler_core.tokenizer import Tokenizer, TokenizerError
+from nanoeuler_core.text.tokenizer import Tokenizer, TokenizerError
 
 app = typer.Typer(
     help="Train a byte-level BPE tokenizer (tokenizer.json) and encode or decode text with it.", no_args_is_help=True

@@ -9,10 +9,11 @@ from typing import Optional
 
 import typer
 
-from nanoeuler_core import train as training
+from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.training import pretrain as training
 
 DEFAULT = {f.name: f.default for f in fields(training.TrainConfig)}
-from nanoeuler_core.model import check_sampling
+from nanoeuler_core.inference.generate import check_sampling
 
 
 def pretrain(
@@ -84,7 +85,7 @@ def generate(
 ) -> None:
     """Continue PROMPT with the model in RUN_DIR, streaming tokens as they come."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
-    model, tok = training.load_model(run_dir, backend)
+    model, tok = load_model(run_dir, backend)
     typer.echo(prompt, nl=False)
     model.generate(tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, on_text=stream_text)
     typer.echo("")

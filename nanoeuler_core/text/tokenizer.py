@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import orjson
 
-from nanoeuler_core import bpe_kernels
+from nanoeuler_core.text import bpe_kernels
 
 EOS = "</s>"
 N_BYTES = 256

@@ -30,8 +30,9 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from nanoeuler_core.checkpoint import atomic_write, atomic_writer
-from nanoeuler_core.data import DOC_SEPARATOR, file_sha256
+from nanoeuler_core.engine.checkpoint import atomic_write, atomic_writer
+from nanoeuler_core.corpus.records import text_fields  # the same field rules as `sft --data`
+from nanoeuler_core.corpus.tokens import DOC_SEPARATOR, file_sha256
 
 GUTENBERG_URL = "https://www.gutenberg.org/cache/epub"
 FINEWEB_URL = "https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu/resolve/main/sample/10BT"
@@ -351,7 +352,6 @@ def parse_alpaca(data: bytes, source: str = "alpaca") -> list[dict[str, str]]:
         raise DatasetError(f"{source}: not valid JSON ({e})") from None
     if not isinstance(items, list):
         raise DatasetError(f"{source}: expected a JSON list of examples, got {type(items).__name__}")
-    from nanoeuler_core.sft import text_fields  # the same field rules as `sft --data`
 
     examples = []
     for i, item in enumerate(items):

@@ -20,15 +20,13 @@ from typing import Callable
 import numpy as np
 import orjson
 
-from nanoeuler_core import checkpoint
-from nanoeuler_core.checkpoint import CheckpointError
-from nanoeuler_core.config import PRESETS, ModelConfig
-from nanoeuler_core.data import BatchLoader, check_length, default_corpus, load_tokens
-from nanoeuler_core.model import Model, usable_backend
-from nanoeuler_core.optim import AdamW, TrainStep, lr_at
-
-CHECKPOINT_FILES = ["optimizer.safetensors", "model.safetensors"]  # commit order: see checkpoint.recover
-
+from nanoeuler_core.engine import checkpoint
+from nanoeuler_core.engine.checkpoint import CheckpointError
+from nanoeuler_core.engine.config import PRESETS, ModelConfig
+from nanoeuler_core.corpus.tokens import BatchLoader, check_length, default_corpus, load_tokens
+from nanoeuler_core.engine.model import Model, usable_backend
+from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.engine.optim import AdamW, TrainStep, lr_at
 
 @dataclass
 class TrainConfig:
@@ -101,7 +99,7 @@ def unigram_loss(ids: np.ndarray, vocab_size: int) -> float:
 
 
 def _tokenizer(tc: TrainConfig, corpus: Path, vocab_size: int, log: Callable[[str], None]):
-    from nanoeuler_core.tokenizer import Tokenizer
+    from nanoeuler_core.text.tokenizer import Tokenizer
 
     if tc.tokenizer:
         return Tokenizer.load(tc.tokenizer)
@@ -176,26 +174,6 @@ def resume_run(run_dir: Path, overrides: dict, log: Callable[[str], None] = prin
     elapsed = _truncate_metrics(run_dir / "metrics.jsonl", optimizer.step_count)
     log(f"resuming {run_dir} at step {optimizer.step_count}")
     return Run(run_dir, tc, model, optimizer, tok, train, val, unigram, elapsed)
-
-
-def load_model(run_dir: Path, backend: str = "cpu"):
-    """The model and tokenizer saved in a run directory, checked to belong together."""
-    from nanoeuler_core.tokenizer import Tokenizer
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise CheckpointError(f"run directory {run_dir} does not exist")
-    checkpoint.recover(run_dir, CHECKPOINT_FILES)
-    model = Model.load(run_dir, backend=backend)
-    tok = Tokenizer.load(run_dir / "tokenizer.json")
-    check_tokenizer(tok, model.cfg, run_dir)
-    return model, tok
-
-
-def check_tokenizer(tok, cfg: ModelConfig, run_dir: Path) -> None:
-    if tok.vocab_size != cfg.vocab_size:
-        raise CheckpointError(f"the model in {run_dir} has vocab_size {cfg.vocab_size} but the tokenizer has "
-                              f"{tok.vocab_size} entries: use the tokenizer.json saved with that run")
 
 
 def _truncate_metrics(path: Path, step: int) -> float:

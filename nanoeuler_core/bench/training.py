@@ -40,7 +40,7 @@ def _device_memory_mb() -> float:
 def worker_nanoeuler(preset: str, backend: str, batch_size: int, steps: int, warmup: int, tf32: bool,
                      profile: bool) -> dict:
     from nanoeuler_core import Model, ModelConfig
-    from nanoeuler_core.optim import AdamW, TrainStep
+    from nanoeuler_core.engine.optim import AdamW, TrainStep
 
     cfg = ModelConfig.preset(preset)
     model = Model(cfg, backend=backend, seed=0)
@@ -101,7 +101,7 @@ def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup:
     import torch
 
     from nanoeuler_core import Model, ModelConfig
-    from nanoeuler_core.torch_peer import TorchModel
+    from nanoeuler_core.bench.torch_peer import TorchModel
 
     device = "cuda" if backend == "cuda" else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -149,7 +149,7 @@ def _run_worker(args: dict) -> dict | None:
         for name in nanoeuler_core.THREAD_ENV_SET_HERE:
             env.pop(name, None)
         first = "import torch; "
-    code = first + "import runpy; runpy.run_module('nanoeuler_core.bench', run_name='__main__')"
+    code = first + "import runpy; runpy.run_module('nanoeuler_core.bench.training', run_name='__main__')"
     out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, env=env)
     if out.returncode:
         print(f"{args['engine']} worker failed: {out.stderr.strip()[-1500:]}", file=sys.stderr)

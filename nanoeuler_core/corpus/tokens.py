@@ -29,7 +29,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from nanoeuler_core.checkpoint import atomic_write
+from nanoeuler_core.engine.checkpoint import atomic_write
 
 DOC_SEPARATOR = "</s>"
 CACHE_MAGIC = b"NEULTOKS"

@@ -29,10 +29,11 @@ import numpy as np
 import orjson
 
 from nanoeuler_core import registry
-from nanoeuler_core.optim import lr_at
-from nanoeuler_core.sft import (TEMPLATE, Encoded, collate, encode_example, epoch_indices, new_run_from, read_records,
-                                render_prompt, split_heldout, text_fields)
-from nanoeuler_core.train import Progress, Run, TrainConfig, save_checkpoint
+from nanoeuler_core.engine.optim import lr_at
+from nanoeuler_core.corpus.records import read_records, text_fields
+from nanoeuler_core.inference.chat import TEMPLATE, render_prompt
+from nanoeuler_core.training.sft import Encoded, collate, encode_example, epoch_indices, new_run_from, split_heldout
+from nanoeuler_core.training.pretrain import Progress, Run, TrainConfig, save_checkpoint
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ MODEL_FD_PROBES = 6           # elements probed per parameter tensor
 
 def tiny_config():
     """A model small enough for finite differences in seconds, still exercising GQA, MTP and RoPE."""
-    from nanoeuler_core.config import ModelConfig
+    from nanoeuler_core.engine.config import ModelConfig
 
     return ModelConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=12, ctx_len=6, n_mtp=2)
 
@@ -198,7 +198,7 @@ def _scaled_error(a: np.ndarray, b: np.ndarray, scale: np.ndarray) -> float:
 
 def check_model_finite_differences(seed: int = 0) -> list[TensorCheck]:
     """Every parameter tensor's analytic gradient (reference backend, float64) against central differences."""
-    from nanoeuler_core.model import Model
+    from nanoeuler_core.engine.model import Model
 
     cfg = tiny_config()
     rng = np.random.default_rng(seed)
@@ -227,7 +227,7 @@ def check_model_backend(backend: str, seed: int = 0, against: str = "reference",
                         bound: float = MODEL_BACKEND_BOUND) -> list[TensorCheck]:
     """One backend's loss and every gradient tensor against another backend's (the float64
     reference by default) on the same weights and batch; errors relative to each tensor's scale."""
-    from nanoeuler_core.model import Model
+    from nanoeuler_core.engine.model import Model
 
     cfg = cfg or tiny_config()
     rng = np.random.default_rng(seed)
@@ -246,8 +246,8 @@ def check_model_backend(backend: str, seed: int = 0, against: str = "reference",
 def check_graph_replay(backend: str, cfg=None, steps: int = 3, seed: int = 0) -> TensorCheck:
     """A captured training step (replayed) against the same steps launched eagerly: losses,
     gradient norms and weights must agree exactly."""
-    from nanoeuler_core.model import Model
-    from nanoeuler_core.optim import AdamW, TrainStep
+    from nanoeuler_core.engine.model import Model
+    from nanoeuler_core.engine.optim import AdamW, TrainStep
 
     cfg = cfg or tiny_config()
     results = []

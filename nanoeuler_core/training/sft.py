@@ -19,33 +19,20 @@ The last `val_fraction` of the examples are held out: validation loss and exact-
 from __future__ import annotations
 
 import importlib.resources
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from nanoeuler_core import checkpoint
-from nanoeuler_core.config import PRESETS
-from nanoeuler_core.train import Run, TrainConfig, load_model, make_optimizer
+from nanoeuler_core.corpus.records import read_records, text_fields
+from nanoeuler_core.engine import checkpoint
+from nanoeuler_core.engine.config import PRESETS
+from nanoeuler_core.inference.chat import TEMPLATE, render_prompt
+from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.training.pretrain import Run, TrainConfig, make_optimizer
 
-TEMPLATE = "alpaca"
-PREAMBLE = ("Below is an instruction that describes a task. "
-            "Write a response that appropriately completes the request.\n\n")
-PREAMBLE_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
-                       "context. Write a response that appropriately completes the request.\n\n")
-INSTRUCTION = "### Instruction:\n{}\n\n"
-INPUT = "### Input:\n{}\n\n"
-RESPONSE = "### Response:\n"
 IGNORE = -1
-
-
-def render_prompt(instruction: str, input: str = "") -> str:
-    """The Alpaca prompt of one example, ending where the response begins."""
-    if input:
-        return PREAMBLE_WITH_INPUT + INSTRUCTION.format(instruction) + INPUT.format(input) + RESPONSE
-    return PREAMBLE + INSTRUCTION.format(instruction) + RESPONSE
 
 
 # ------------------------------------------------------------------------------------------------
@@ -67,53 +54,6 @@ class Example:
 def bundled_tasks() -> Path:
     """The instruction set shipped with the project (data/make_tasks.py writes it)."""
     return Path(str(importlib.resources.files("nanoeuler_data") / "sft_tasks.jsonl"))
-
-
-def read_records(path: Path) -> list[tuple[str, dict]]:
-    """The JSON objects of a JSON list or JSONL file, each with where it came from ("FILE line N")."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ValueError(f"data file {path} not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read data file {path}: {exc}") from None
-    if text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
-        records = [(f"{path} example {i}", item) for i, item in enumerate(items)]
-    else:
-        records = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append((f"{path} line {n}", json.loads(line)))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} line {n}: not valid JSON ({exc.msg}); expected one JSON object a line") from None
-    if not records:
-        raise ValueError(f"{path} holds no examples")
-    for where, item in records:
-        if not isinstance(item, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(item).__name__}")
-    return records
-
-
-def text_fields(item: dict, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, str]:
-    """The named string fields of a record: `required` ones non-empty, `optional` ones default ""."""
-    fields = {}
-    for name in required + optional:
-        value = item.get(name, "" if name in optional else None)
-        if value is None:
-            raise ValueError(f"{where}: missing field '{name}' (each example needs {', '.join(required)})")
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
-        if name in required and not value.strip():
-            raise ValueError(f"{where}: field '{name}' is empty")
-        fields[name] = value
-    return fields
 
 
 def load_examples(path: Path) -> list[Example]:

@@ -107,6 +107,7 @@ def load_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 # multi-file checkpoints: model.safetensors and optimizer.safetensors must change together
 
 PENDING = ".pending"
+CHECKPOINT_FILES = ["optimizer.safetensors", "model.safetensors"]  # commit order: see recover
 
 
 def commit_files(run_dir: Path, files: list[tuple[str, bytes]]) -> None:

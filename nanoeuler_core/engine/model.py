@@ -19,7 +19,6 @@ V = vocab_size, N = B * T rows.
 
 from __future__ import annotations
 
-import codecs
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,8 +26,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from nanoeuler_core import registry
-from nanoeuler_core.checkpoint import FORMAT, CheckpointError, load_tensors, read_json, save_tensors, write_json
-from nanoeuler_core.config import ModelConfig
+from nanoeuler_core.engine.checkpoint import FORMAT, CheckpointError, load_tensors, read_json, save_tensors, write_json
+from nanoeuler_core.engine.config import ModelConfig
 
 MODEL_OPS = ("embedding", "rmsnorm", "linear", "rope", "attention", "swiglu", "add", "cross_entropy")
 
@@ -385,66 +384,17 @@ class Model:
         return model
 
     # ----------------------------------------------------------------------------------------
-    # generation
+    # generation (nanoeuler_core.inference.generate holds it; these are the SPEC.md API)
 
-    def new_kv_cache(self) -> list:
-        """Per block, keys and values (ctx_len, KV, D) for every position of one sequence."""
-        cfg = self.cfg
-        shape = (cfg.ctx_len, cfg.n_kv_heads, cfg.head_dim)
-        return [(self.backend.zeros(shape), self.backend.zeros(shape)) for _ in range(cfg.n_layers)]
+    def generate(self, tok, prompt: str, *args, **sampling) -> str:
+        """Continue `prompt`; returns the new text. See nanoeuler_core.inference.generate.generate."""
+        from nanoeuler_core.inference.generate import generate
 
-    def next_logits(self, ids, kv: list, start: int) -> np.ndarray:
-        """Feed tokens `ids` at positions start.. into the KV cache; head-0 logits (V,) after the last one."""
-        ids, ids_dev = self._upload_ids(np.asarray(ids, dtype=np.int64).reshape(1, -1))
-        if start + ids.shape[1] > self.cfg.ctx_len:
-            raise ValueError(f"positions {start}..{start + ids.shape[1] - 1} exceed ctx_len={self.cfg.ctx_len}")
-        h_final, _, _ = self._forward(ids_dev, *ids.shape, kv, start)
-        last = h_final[h_final.shape[0] - 1:]
-        logits, _ = self.ops.linear.forward(last, self.weights["heads.0"])
-        return np.asarray(self.backend.to_host(logits), dtype=np.float64)[0]
-
-    def generate(self, tok, prompt: str, max_new_tokens: int = 50, temperature: float = 0.8, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None, on_text=None, stop_at_eos: bool = True) -> str:
-        """Continue `prompt`; returns the new text (without the prompt).
-
-        A KV cache makes each new token cost one position. Prompts longer than the context keep
-        their last ctx_len tokens; when the cache is full it is refilled from the last half context.
-        `on_text(piece)` receives the text as it is produced (whole UTF-8 characters). Stops at `</s>`.
-        """
-        check_sampling(max_new_tokens, temperature, top_k, top_p)
-        if tok.vocab_size != self.cfg.vocab_size:
-            raise ValueError(f"the tokenizer has {tok.vocab_size} entries but the model's vocab_size is "
-                             f"{self.cfg.vocab_size}: use the tokenizer.json saved with the model")
-        ctx = self.cfg.ctx_len
-        ids = (tok.encode(prompt) or [tok.eos_id])[-ctx:]
-        rng = np.random.default_rng(seed)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        kv = self.new_kv_cache()
-        logits = self.next_logits(ids, kv, 0)
-        position, pieces = len(ids), []
-        for _ in range(max_new_tokens):
-            token = sample_token(logits, temperature, top_k, top_p, rng)
-            if stop_at_eos and token == tok.eos_id:
-                break
-            ids.append(token)
-            piece = decoder.decode(tok.token_bytes(token))
-            if piece:
-                pieces.append(piece)
-                if on_text:
-                    on_text(piece)
-            if position == ctx:
-                window = ids[-(ctx // 2):]
-                logits, position = self.next_logits(window, kv, 0), len(window)
-            else:
-                logits, position = self.next_logits([token], kv, position), position + 1
-        tail = decoder.decode(b"", final=True)
-        if tail and on_text:
-            on_text(tail)
-        return "".join(pieces) + tail
+        return generate(self, tok, prompt, *args, **sampling)
 
     def chat(self, tok, messages: list[dict], **sampling) -> str:
-        """Reply to a conversation of {"role", "content"} messages in the chat template (see chat.py)."""
-        from nanoeuler_core.chat import chat
+        """Reply to a conversation of {"role", "content"} messages. See nanoeuler_core.inference.chat."""
+        from nanoeuler_core.inference.chat import chat
 
         return chat(self, tok, messages, **sampling)
 
@@ -456,35 +406,3 @@ def usable_backend(name: str):
         hint = " (it needs an NVIDIA GPU and pip install 'nanoeuler[cuda]')" if name == "cuda" else ""
         raise ValueError(f"backend '{name}' is not available on this machine{hint}")
     return backend
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be non-negative, got {max_new_tokens}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be at least 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-
-
-def sample_token(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None,
-                 rng: np.random.Generator) -> int:
-    """Draw the next token from logits (V,): greedy at temperature 0, else softmax(logits / T)
-    restricted to the top_k most likely tokens and to the smallest set with probability >= top_p."""
-    if temperature == 0:
-        return int(np.argmax(logits))
-    z = logits / temperature
-    if top_k is not None and top_k < z.size:
-        z = np.where(z >= np.partition(z, -top_k)[-top_k], z, -np.inf)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p is not None and top_p < 1:
-        order = np.argsort(-p)
-        keep = np.cumsum(p[order]) - p[order] < top_p  # the tokens before the mass reaches top_p, plus the one crossing it
-        mask = np.zeros_like(p, dtype=bool)
-        mask[order[keep]] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
-    return int(rng.choice(p.size, p=p))

@@ -16,7 +16,22 @@ message always stays (if it alone is too long, its start is cut by `generate`).
 
 from __future__ import annotations
 
-from nanoeuler_core.sft import INSTRUCTION, PREAMBLE, RESPONSE
+TEMPLATE = "alpaca"
+PREAMBLE = ("Below is an instruction that describes a task. "
+            "Write a response that appropriately completes the request.\n\n")
+PREAMBLE_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
+                       "context. Write a response that appropriately completes the request.\n\n")
+INSTRUCTION = "### Instruction:\n{}\n\n"
+INPUT = "### Input:\n{}\n\n"
+RESPONSE = "### Response:\n"
+
+
+def render_prompt(instruction: str, input: str = "") -> str:
+    """The Alpaca prompt of one example, ending where the response begins."""
+    if input:
+        return PREAMBLE_WITH_INPUT + INSTRUCTION.format(instruction) + INPUT.format(input) + RESPONSE
+    return PREAMBLE + INSTRUCTION.format(instruction) + RESPONSE
+
 
 ROLES = ("user", "assistant")
 
