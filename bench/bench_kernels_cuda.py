@@ -1,7 +1,10 @@
 """Per-kernel timings of the CUDA backend at the `gpu` preset's shapes, against the roofline and,
-where torch is installed, the same operation in PyTorch on the same card.
+where torch is installed, the same operation in PyTorch on the same card, in one precision.
 
-    python bench/bench_kernels_cuda.py [--batch-size 32] [--json results.json]
+    python bench/bench_kernels_cuda.py [--batch-size 32] [--precision bf16|tf32|fp32] [--json results.json]
+
+In bf16 the activations are bf16 in both engines (PyTorch: bf16 tensors, SDPA's flash kernel);
+AdamW stays float32 (master weights).
 
 Each figure is the median over several timed batches of GPU time per call, measured with CUDA
 events after a warm-up. A sleep kernel queued ahead of each batch lets the host queue the whole
@@ -21,11 +24,12 @@ import numpy as np
 from numba import cuda
 
 from nanoeuler_ops.cuda import BACKEND, cublas, runtime
-from nanoeuler_ops.cuda import adamw, add, attention, cross_entropy, embedding, linear, rmsnorm, rope, swiglu
+from nanoeuler_ops.cuda import (adamw, add, add_rmsnorm, attention, cross_entropy, embedding, linear, qkv_rope, rmsnorm,
+                                swiglu)
 
 C, H, KV, D, F, V, THETA = 768, 12, 4, 64, 2048, 4096, 10000.0   # the gpu preset
 PARAMS = 116_417_280
-FP32_PEAK, TF32_PEAK = 67e12, 495e12   # Hopper SXM datasheet, dense (H100 and H200 alike)
+PEAK = {"fp32": 67e12, "tf32": 495e12, "bf16": 989e12}   # Hopper SXM datasheet, dense (H100 and H200 alike)
 REPS, BATCHES = 20, 5
 SLEEP_NS = 20_000_000
 
@@ -96,12 +100,16 @@ def copy_bandwidth(torch) -> tuple[float, str]:
     return 2 * src.nbytes / (ms * 1e-3), "numba copy kernel"
 
 
-def cases(B: int, rng):
+def cases(B: int, rng, precision: str):
     """(op, pass, numba fn, key of the torch twin ("" if none), bytes moved, flops) at batch size B."""
     N, T = B * 512, 512
-    f32 = lambda *shape: BACKEND.asarray(rng.standard_normal(shape))   # noqa: E731
+    storage = "bf16" if precision == "bf16" else None
+    f32 = lambda *shape: BACKEND.asarray(rng.standard_normal(shape), storage)   # noqa: E731
     x, x2, w_norm = f32(N, C), f32(N, C), BACKEND.asarray(1.0 + 0.1 * rng.standard_normal(C))
-    w_gate, gate, up = f32(F, C), f32(N, F), f32(N, F)
+    w_norm = BACKEND.asarray(1.0 + 0.1 * rng.standard_normal(C), storage)
+    w_gate, gate_up = f32(F, C), f32(N, 2 * F)
+    qkv = f32(B, T, (H + 2 * KV) * D)
+    rope_attrs = dict(n_heads=H, n_kv_heads=KV, theta=THETA)
     q, k, v = f32(B, T, H, D), f32(B, T, KV, D), f32(B, T, KV, D)
     ids, table = BACKEND.asarray(rng.integers(0, V, N)), f32(V, C)
     logits = f32(N, V)
@@ -110,30 +118,20 @@ def cases(B: int, rng):
     targets = BACKEND.asarray(targets_host)
     dy_nc, dy_nf = f32(N, C), f32(N, F)
     dq_shape = f32(B, T, H, D)
-    params, grads = f32(PARAMS), f32(PARAMS)
+    params, grads = BACKEND.asarray(rng.standard_normal(PARAMS)), BACKEND.asarray(rng.standard_normal(PARAMS))
     m, vv = BACKEND.asarray(0.1 * rng.standard_normal(PARAMS)), BACKEND.asarray(0.01 * rng.random(PARAMS))
     sched = BACKEND.asarray(np.array([3e-4, 10.0]))
     adam_attrs = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, n_decay=PARAMS - 16 * 2 * C,
                       max_grad_norm=1.0)
 
     _, norm_saved = rmsnorm.forward(x, w_norm, eps=1e-5)
+    _, add_norm_saved = add_rmsnorm.forward(x, x2, w_norm, eps=1e-5)
     _, attn_saved = attention.forward(q, k, v)
     _, ce_saved = cross_entropy.forward(logits, targets)
     losses_grad = BACKEND.asarray(np.full(N, 1.0 / N))
 
-    # the backward's two big kernels alone, to show which one to speed up next
-    _, row_dot, dq_kernel, dkdv_kernel = attention._kernels(D)
-    (o, lse), scale = attn_saved, np.float32(1 / math.sqrt(D))
-    di = runtime.empty((B, H, T))
-    rows_per_block = attention.ROW_DOT_THREADS // runtime.WARP
-    runtime.launch(row_dot, runtime.blocks_for(di.size, rows_per_block), attention.ROW_DOT_THREADS, dq_shape, o, di)
-    dq_out, dk_out, dv_out = runtime.empty(q.shape), runtime.empty(k.shape), runtime.empty(v.shape)
-    run_dq = lambda: runtime.launch(dq_kernel, (T // attention.DQ_ROWS, B * H), attention.DQ_THREADS,   # noqa: E731
-                                    dq_shape, q, k, v, lse, di, scale, dq_out)
-    run_dkdv = lambda: runtime.launch(dkdv_kernel, (T // attention.DKDV_KEYS, B * KV),   # noqa: E731
-                                      attention.DKDV_THREADS, dq_shape, q, k, v, lse, di, scale, dk_out, dv_out)
-
-    nc, nf, nv = N * C * 4, N * F * 4, N * V * 4
+    size = 2 if precision == "bf16" else 4
+    nc, nf, nv = N * C * size, N * F * size, N * V * size
     attn_flops = 4 * B * H * T * T * D / 2
     qkv_bytes = (q.nbytes + k.nbytes + v.nbytes)
     return [
@@ -143,17 +141,18 @@ def cases(B: int, rng):
         ("rmsnorm", "fwd", lambda: rmsnorm.forward(x, w_norm, eps=1e-5), "rmsnorm_fwd", 2 * nc, 0),
         ("rmsnorm", "bwd", lambda: rmsnorm.backward(dy_nc, norm_saved, x, w_norm, eps=1e-5), "rmsnorm_bwd",
          3 * nc, 0),
-        ("linear C->F fp32", "fwd", lambda: linear.forward(x, w_gate), "linear_fwd", nc + nf, 2 * N * C * F),
-        ("linear C->F fp32", "bwd", lambda: linear.backward(dy_nf, (), x, w_gate), "linear_bwd", 2 * (nc + nf),
+        ("linear C->F", "fwd", lambda: linear.forward(x, w_gate), "linear_fwd", nc + nf, 2 * N * C * F),
+        ("linear C->F", "bwd", lambda: linear.backward(dy_nf, (), x, w_gate), "linear_bwd", 2 * (nc + nf),
          4 * N * C * F),
-        ("rope q", "fwd", lambda: rope.forward(q, theta=THETA), "rope_fwd", 2 * q.nbytes, 0),
+        ("add_rmsnorm", "fwd", lambda: add_rmsnorm.forward(x, x2, w_norm, eps=1e-5), "add_rmsnorm_fwd", 4 * nc, 0),
+        ("add_rmsnorm", "bwd", lambda: add_rmsnorm.backward((dy_nc, x2), add_norm_saved, None, None, w_norm, eps=1e-5),
+         "add_rmsnorm_bwd", 4 * nc, 0),
+        ("qkv_rope", "fwd", lambda: qkv_rope.forward(qkv, **rope_attrs), "qkv_rope_fwd", 2 * qkv.nbytes, 0),
         ("attention", "fwd", lambda: attention.forward(q, k, v), "attention_fwd", 2 * qkv_bytes, attn_flops),
         ("attention", "bwd", lambda: attention.backward(dq_shape, attn_saved, q, k, v), "attention_bwd",
          4 * qkv_bytes, 2.5 * attn_flops),
-        ("attention dq kernel", "bwd", run_dq, "", 3 * qkv_bytes, attn_flops * 3 / 2),
-        ("attention dkdv kernel", "bwd", run_dkdv, "", 4 * qkv_bytes, attn_flops * 4 / 2),
-        ("swiglu", "fwd", lambda: swiglu.forward(gate, up), "swiglu_fwd", 3 * nf, 0),
-        ("swiglu", "bwd", lambda: swiglu.backward(dy_nf, (), gate, up), "swiglu_bwd", 5 * nf, 0),
+        ("swiglu", "fwd", lambda: swiglu.forward(gate_up), "swiglu_fwd", 3 * nf, 0),
+        ("swiglu", "bwd", lambda: swiglu.backward(dy_nf, (), gate_up), "swiglu_bwd", 5 * nf, 0),
         ("add", "fwd", lambda: add.forward(x, x2), "add_fwd", 3 * nc, 0),
         ("cross_entropy", "fwd", lambda: cross_entropy.forward(logits, targets), "ce_fwd", nv, 0),
         ("cross_entropy", "bwd", lambda: cross_entropy.backward(losses_grad, ce_saved, logits, targets), "ce_bwd",
@@ -163,15 +162,17 @@ def cases(B: int, rng):
     ]
 
 
-def torch_fns(torch, B: int):
-    """The same operations in PyTorch (float32), keyed as in `cases`."""
+def torch_fns(torch, B: int, precision: str):
+    """The same operations in PyTorch (float32 or bf16 activations), keyed as in `cases`."""
     import torch.nn.functional as tf
     N, T = B * 512, 512
     dev = "cuda"
-    r = lambda *shape, grad=False: torch.randn(*shape, device=dev, requires_grad=grad)   # noqa: E731
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    r = lambda *shape, grad=False: torch.randn(*shape, device=dev, dtype=dtype, requires_grad=grad)   # noqa: E731
     x, x2, w_norm = r(N, C, grad=True), r(N, C), r(C, grad=True)
     w_gate = r(F, C, grad=True)
-    gate, up = r(N, F, grad=True), r(N, F, grad=True)
+    gate_up = r(N, 2 * F, grad=True)
+    qkv = r(B, T, (H + 2 * KV) * D)
     q, k, v = r(B, H, T, D, grad=True), r(B, KV, T, D, grad=True), r(B, KV, T, D, grad=True)
     ids, table = torch.randint(0, V, (N,), device=dev), r(V, C, grad=True)
     logits, targets = r(N, V, grad=True), torch.randint(0, V, (N,), device=dev)
@@ -179,21 +180,29 @@ def torch_fns(torch, B: int):
     dy_nc, dy_nf = r(N, C), r(N, F)
     inv_freq = THETA ** (-torch.arange(0, D // 2, device=dev, dtype=torch.float64) * 2 / D)
     angles = torch.arange(T, device=dev, dtype=torch.float64)[:, None] * inv_freq
-    cos, sin = angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
-    qr = r(B, T, H, D)
-
-    def rope_fwd():
-        a, b = qr[..., :D // 2], qr[..., D // 2:]
+    cos, sin = angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+    def rotate(u):
+        a, b = u[..., :D // 2], u[..., D // 2:]
         return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+    def qkv_rope_fwd():
+        q, k, v = qkv.view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
+        return rotate(q), rotate(k), v.contiguous()
+
+    def add_rmsnorm_fwd():
+        s = x + x2
+        return s, tf.rms_norm(s, (C,), w_norm, 1e-5)
+
+    add_norm_out = add_rmsnorm_fwd()
 
     emb = tf.embedding(ids, table)
     norm_out = tf.rms_norm(x, (C,), w_norm, 1e-5)
     lin_out = tf.linear(x, w_gate)
     attn_out = tf.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    glu_out = tf.silu(gate) * up
+    glu_out = tf.silu(gate_up[:, :F]) * gate_up[:, F:]
     ce_out = tf.cross_entropy(logits, targets, ignore_index=-1, reduction="none")
-    params = torch.nn.Parameter(torch.randn(PARAMS, device=dev))
-    params.grad = torch.randn(PARAMS, device=dev)
+    params = torch.nn.Parameter(torch.randn(PARAMS, device=dev, dtype=torch.float32))
+    params.grad = torch.randn(PARAMS, device=dev, dtype=torch.float32)
     opt = torch.optim.AdamW([params], lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
     def adamw_step():
@@ -208,11 +217,13 @@ def torch_fns(torch, B: int):
         "rmsnorm_bwd": lambda: grad(norm_out, [x, w_norm], dy_nc),
         "linear_fwd": lambda: tf.linear(x, w_gate),
         "linear_bwd": lambda: grad(lin_out, [x, w_gate], dy_nf),
-        "rope_fwd": rope_fwd,
+        "qkv_rope_fwd": qkv_rope_fwd,
+        "add_rmsnorm_fwd": add_rmsnorm_fwd,
+        "add_rmsnorm_bwd": lambda: grad(add_norm_out[1], [x, w_norm], dy_nc),
         "attention_fwd": lambda: tf.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
         "attention_bwd": lambda: grad(attn_out, [q, k, v], torch.ones_like(attn_out)),
-        "swiglu_fwd": lambda: tf.silu(gate) * up,
-        "swiglu_bwd": lambda: grad(glu_out, [gate, up], dy_nf),
+        "swiglu_fwd": lambda: tf.silu(gate_up[:, :F]) * gate_up[:, F:],
+        "swiglu_bwd": lambda: grad(glu_out, [gate_up], dy_nf),
         "add_fwd": lambda: x + x2,
         "ce_fwd": lambda: tf.cross_entropy(logits, targets, ignore_index=-1, reduction="none"),
         "ce_bwd": lambda: grad(ce_out, [logits], torch.full_like(ce_out, 1.0 / N)),
@@ -223,37 +234,33 @@ def torch_fns(torch, B: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="bf16")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
     try:
         import torch
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
     except ImportError:
         torch = None
+    cublas.ALLOW_TF32 = args.precision == "tf32"
 
     name = cuda.get_current_device().name
     name = name.decode() if isinstance(name, bytes) else name
     bandwidth, measured_by = copy_bandwidth(torch)
-    print(f"{name}; batch {args.batch_size} x 512; cuBLAS: {cublas.uses_cublas()}; copy bandwidth "
-          f"{bandwidth / 1e9:.0f} GB/s ({measured_by}); fp32 peak {FP32_PEAK / 1e12:.0f}, tf32 {TF32_PEAK / 1e12:.0f} TFLOP/s")
+    print(f"{name}; batch {args.batch_size} x 512; {args.precision}; cuBLAS: {cublas.uses_cublas()}; copy bandwidth "
+          f"{bandwidth / 1e9:.0f} GB/s ({measured_by}); {args.precision} peak {PEAK[args.precision] / 1e12:.0f} TFLOP/s")
     rng = np.random.default_rng(0)
     rows = []
-    all_cases = cases(args.batch_size, rng)
-    tf32_cases = [("linear C->F tf32", p, fn, key + "_tf32", nbytes, flops)
-                  for (op, p, fn, key, nbytes, flops) in all_cases if op.startswith("linear")]
-    torch_ops = torch_fns(torch, args.batch_size) if torch is not None else {}
-    for op, phase, fn, key, nbytes, flops in all_cases + tf32_cases:
-        tf32 = key.endswith("_tf32")
-        cublas.ALLOW_TF32 = tf32
+    torch_ops = torch_fns(torch, args.batch_size, args.precision) if torch is not None else {}
+    for op, phase, fn, key, nbytes, flops in cases(args.batch_size, rng, args.precision):
         ms = time_numba(fn)
         torch_ms = math.nan
         if torch is not None and key:
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-            torch_ms = time_torch(torch, torch_ops[key.removesuffix("_tf32")])
+            torch_ms = time_torch(torch, torch_ops[key])
         seconds = ms * 1e-3
         if flops:
-            rate, peak = flops / seconds, (TF32_PEAK if tf32 else FP32_PEAK)
+            rate, peak = flops / seconds, PEAK[args.precision]
             achieved = f"{rate / 1e12:7.1f} TFLOP/s"
         else:
             rate, peak = nbytes / seconds, bandwidth
@@ -265,7 +272,8 @@ def main() -> None:
     cublas.ALLOW_TF32 = False
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=name, batch_size=args.batch_size, copy_bandwidth=bandwidth, rows=rows), f, indent=1)
+            json.dump(dict(device=name, batch_size=args.batch_size, precision=args.precision, copy_bandwidth=bandwidth,
+                           rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,18 @@ Calling conventions, the same on every backend (arrays are the backend's own arr
     grads = impl.backward(dout, saved, *inputs, **attrs)   # one entry per input, None if not differentiable
 
 `saved` is whatever the backward needs beyond the inputs (a tuple of arrays); the model keeps
-it in its activation cache. An op with `inplace` inputs (the optimizer) updates them and has no
+it in its activation cache. An op with several outputs returns them as a tuple, and its backward
+takes a tuple of their gradients as `dout`. An op with `inplace` inputs (the optimizer) updates them and has no
 backward.
+
+Precision is a dimension of the registry, not a fork of the kernels: "fp32" (exact float32),
+"tf32" (float32 storage, TF32 tensor-core products) and "bf16" (bfloat16 storage, float32
+accumulation). An op lists, per backend, the precisions it runs besides fp32; a kernel sees the
+precision in its inputs' storage (bf16 arrays) or in the backend's matrix-product mode (tf32).
+In bf16 an op's float inputs and the gradients it returns for them are bf16, except the
+gradients of parameters (weights, tables, norm scales), which stay float32, and outputs that
+are reductions (losses, norms, log-sum-exps), which are float32. The gradient checker compares
+each precision against the float32 backends with that precision's tolerance.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -33,6 +44,7 @@ import numpy as np
 
 OPS_GROUP = "nanoeuler.ops"
 BACKENDS_GROUP = "nanoeuler.backends"
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -48,21 +60,42 @@ class Sample:
     """One valid call of an op: positional array inputs and keyword attributes.
 
     `grad_inputs` lists the positions of the inputs that receive a gradient (float inputs);
-    integer inputs such as token ids are never differentiated.
+    integer inputs such as token ids are never differentiated. `precisions` limits the
+    precisions the sample is checked in (a slow simulated kernel needs only a few cases).
     """
 
     inputs: tuple
     attrs: dict = field(default_factory=dict)
     grad_inputs: tuple[int, ...] = ()
     name: str = ""
+    precisions: tuple[str, ...] = PRECISIONS
 
 
 @dataclass(frozen=True)
 class Tol:
-    """Agreement bound between two float32-or-better backends: |a - b| <= atol + rtol * |b|."""
+    """Agreement bound between two backends: |a - b| <= atol + rtol * |b|."""
 
     rtol: float = 1e-4
     atol: float = 1e-5
+
+
+# Bounds of a reduced precision against float32, unless an op states its own: TF32 keeps 10
+# mantissa bits of each product operand, bf16 keeps 7 of every stored value.
+PRECISION_TOL = {"tf32": Tol(rtol=5e-3, atol=5e-3), "bf16": Tol(rtol=3e-2, atol=3e-2)}
+
+
+def bf16_bits(host: np.ndarray) -> np.ndarray:
+    """Float values -> bfloat16 bit patterns (uint16: the upper half of the float32), rounded to
+    nearest even; NaN stays NaN. NumPy has no bfloat16: backends store bf16 tensors this way."""
+    host = np.asarray(host, dtype=np.float32)
+    bits = np.ascontiguousarray(host).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    return np.where(np.isnan(host), np.uint16(0x7FC0), rounded)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32 values."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 class Backend:
@@ -70,17 +103,40 @@ class Backend:
 
     name: str = ""
     dtype: type = np.float32
-    # "highest": float32 matrix products; "high": a backend may use faster ones (TF32 on CUDA)
-    matmul_precision: str = "highest"
 
     def available(self) -> bool:
         return True
 
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions this backend can run here (see PRECISIONS), fp32 first."""
+        return ("fp32",)
+
+    @property
+    def default_precision(self) -> str:
+        return "fp32"
+
+    def check_precision(self, precision: str) -> str:
+        """`precision` if this backend runs it here, else a ValueError saying why not."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision '{precision}' (choose from: {', '.join(PRECISIONS)})")
+        if precision not in self.precisions:
+            raise ValueError(f"precision {precision} is not available on the {self.name} backend here "
+                             f"(it runs: {', '.join(self.precisions)})")
+        return precision
+
+    @contextmanager
+    def matmul_mode(self, precision: str):
+        """Run matrix products inside the block in `precision`'s mode (TF32 tensor cores for "tf32")."""
+        yield
+
     def asarray(self, host: np.ndarray, dtype=None):
-        """A backend array holding a copy of the host array (floats converted to `self.dtype`)."""
+        """A backend array holding a copy of the host array (floats converted to `self.dtype`, or
+        to bfloat16 storage with dtype="bf16")."""
         raise NotImplementedError
 
     def to_host(self, arr) -> np.ndarray:
+        """A host copy of `arr` (bf16 storage comes back as float32 values)."""
         raise NotImplementedError
 
     def zeros(self, shape, dtype=None):
@@ -113,6 +169,8 @@ class Op:
     backends: dict[str, str] = field(default_factory=dict)
     tol: Tol = Tol()
     inplace: tuple[int, ...] = ()
+    precisions: dict[str, tuple[str, ...]] = field(default_factory=dict)   # backend -> precisions beyond fp32
+    tols: dict[str, Tol] = field(default_factory=dict)    # precision -> bound, when PRECISION_TOL's does not fit
     source: str = "nanoeuler"
     _loaded: dict[str, Impl] = field(default_factory=dict, repr=False)
 
@@ -134,6 +192,13 @@ class Op:
 
     def backend_names(self) -> list[str]:
         return ["reference", *self.backends]
+
+    def precisions_on(self, backend: str) -> tuple[str, ...]:
+        """The precisions this op runs in on `backend`, fp32 first."""
+        return ("fp32", *self.precisions.get(backend, ()))
+
+    def tol_for(self, precision: str) -> Tol:
+        return self.tol if precision == "fp32" else self.tols.get(precision, PRECISION_TOL[precision])
 
 
 def _package(ep) -> str:

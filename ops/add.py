@@ -38,4 +38,5 @@ OP = Op(
     sample_inputs=sample_inputs,
     backends={"cpu": "nanoeuler_ops.cpu.add", "cuda": "nanoeuler_ops.cuda.add"},
     tol=Tol(rtol=1e-6, atol=1e-6),
+    precisions={"cuda": ("bf16",)},
 )

@@ -62,4 +62,5 @@ OP = Op(
     sample_inputs=sample_inputs,
     backends={"cpu": "nanoeuler_ops.cpu.cross_entropy", "cuda": "nanoeuler_ops.cuda.cross_entropy"},
     tol=Tol(rtol=1e-4, atol=1e-5),
+    precisions={"cuda": ("bf16",)},
 )

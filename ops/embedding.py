@@ -43,4 +43,5 @@ OP = Op(
     sample_inputs=sample_inputs,
     backends={"cpu": "nanoeuler_ops.cpu.embedding", "cuda": "nanoeuler_ops.cuda.embedding"},
     tol=Tol(rtol=1e-5, atol=1e-6),
+    precisions={"cuda": ("bf16",)},
 )

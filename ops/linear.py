@@ -1,7 +1,7 @@
 """Linear layer without bias, weights in PyTorch's (out_features, in_features) layout.
 
 Shapes: x (N, C), w (O, C) -> y (N, O) = x @ w.T; saved ().
-Backward: dx = dy @ w (N, C), dw = dy.T @ x (O, C).
+Backward: dx = dy @ w (N, C), dw = dy.T @ x (O, C). In bf16, dw (a parameter's gradient) is float32.
 """
 
 from nanoeuler_core.registry import Impl, Op, Sample, Tol
@@ -30,4 +30,5 @@ OP = Op(
     sample_inputs=sample_inputs,
     backends={"cpu": "nanoeuler_ops.cpu.linear", "cuda": "nanoeuler_ops.cuda.linear"},
     tol=Tol(rtol=1e-4, atol=1e-5),
+    precisions={"cuda": ("tf32", "bf16")},
 )

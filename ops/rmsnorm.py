@@ -39,4 +39,5 @@ OP = Op(
     sample_inputs=sample_inputs,
     backends={"cpu": "nanoeuler_ops.cpu.rmsnorm", "cuda": "nanoeuler_ops.cuda.rmsnorm"},
     tol=Tol(rtol=1e-4, atol=1e-5),
+    precisions={"cuda": ("bf16",)},
 )

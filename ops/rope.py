@@ -23,7 +23,8 @@ def cos_sin(T, D, theta, start_pos):
     return np.cos(angles), np.sin(angles)
 
 
-def _rotate(x, cos, sin):
+def rotate(x, cos, sin):
+    """x (B, T, H, D) rotated pairwise by the angles whose cos and sin are (T, D/2)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2): the same angles for every head
@@ -32,12 +33,12 @@ def _rotate(x, cos, sin):
 
 def forward(x, *, theta, start_pos=0):
     cos, sin = cos_sin(x.shape[1], x.shape[3], theta, start_pos)
-    return _rotate(x, cos, sin), ()
+    return rotate(x, cos, sin), ()
 
 
 def backward(dy, saved, x, *, theta, start_pos=0):
     cos, sin = cos_sin(x.shape[1], x.shape[3], theta, start_pos)
-    return (_rotate(dy, cos, -sin),)
+    return (rotate(dy, cos, -sin),)
 
 
 def sample_inputs(rng):
@@ -56,4 +57,5 @@ OP = Op(
     sample_inputs=sample_inputs,
     backends={"cpu": "nanoeuler_ops.cpu.rope", "cuda": "nanoeuler_ops.cuda.rope"},
     tol=Tol(rtol=1e-4, atol=1e-5),
+    precisions={"cuda": ("bf16",)},
 )

@@ -8,7 +8,7 @@ import pytest
 from numba import cuda
 
 from nanoeuler_core import registry
-from nanoeuler_core.engine.gradcheck import run_backend
+from nanoeuler_core.engine.gradcheck import run_backend, stored_values
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(bool(numba.config.ENABLE_CUDASIM) or not cuda.is_available(),
@@ -17,6 +17,9 @@ pytestmark = [pytest.mark.gpu,
 B, T, C, H, KV, D, F, V = 4, 512, 768, 12, 4, 64, 2048, 4096   # the gpu preset, batch 4
 N = B * T
 REL_TOL = 2e-5
+BF16_REL_TOL = 1e-2   # bf16 storage of outputs and intermediates (8 significant bits), float32 sums
+BF16_OPS = ["embedding", "rmsnorm", "add_rmsnorm", "linear", "rope", "qkv_rope", "attention", "swiglu", "add",
+            "cross_entropy"]
 
 
 def _inputs(name, rng):
@@ -33,7 +36,11 @@ def _inputs(name, rng):
     if name == "attention":
         return (normal((B, T, H, D)), normal((B, T, KV, D)), normal((B, T, KV, D))), {}
     if name == "swiglu":
-        return (2.0 * normal((N, F)), normal((N, F))), {}
+        return (np.concatenate((2.0 * normal((N, F)), normal((N, F))), axis=1),), {}
+    if name == "qkv_rope":
+        return (normal((B, T, (H + 2 * KV) * D)),), {"n_heads": H, "n_kv_heads": KV, "theta": 10000.0, "start_pos": 0}
+    if name == "add_rmsnorm":
+        return (normal((N, C)), normal((N, C)), 1.0 + 0.1 * normal(C)), {"eps": 1e-5}
     if name == "add":
         return (normal((N, C)), normal((N, C))), {}
     if name == "cross_entropy":
@@ -52,14 +59,14 @@ def _rel_err(x, y):
     return float(np.linalg.norm(np.asarray(x, np.float64) - y) / max(np.linalg.norm(y), 1e-30))
 
 
-def _compare_backends(name, inputs, attrs, rng):
+def _compare_backends(name, inputs, attrs, rng, precision="fp32"):
     op = registry.op(name)
-    inputs = tuple(x.astype(np.float32) if x.dtype.kind == "f" else x for x in inputs)
+    inputs = tuple(stored_values(x, precision) if x.dtype.kind == "f" else x for x in inputs)
     dout = None
     if op.differentiable:
-        dout = rng.standard_normal(op.impl("cpu").forward(*inputs, **attrs)[0].shape).astype(np.float32)
+        dout = stored_values(rng.standard_normal(op.impl("cpu").forward(*inputs, **attrs)[0].shape), precision)
     cpu_out, cpu_grads = run_backend(op, "cpu", inputs, attrs, dout)
-    gpu_out, gpu_grads = run_backend(op, "cuda", inputs, attrs, dout)
+    gpu_out, gpu_grads = run_backend(op, "cuda", inputs, attrs, dout, precision)
     errors = {f"out{i}": _rel_err(g, c) for i, (g, c) in enumerate(zip(gpu_out, cpu_out))}
     for i, (g, c) in enumerate(zip(gpu_grads or (), cpu_grads or ())):
         if c is not None:
@@ -67,13 +74,33 @@ def _compare_backends(name, inputs, attrs, rng):
     return errors
 
 
-@pytest.mark.parametrize("name", ["embedding", "rmsnorm", "linear", "rope", "attention", "swiglu", "add",
-                                  "cross_entropy", "adamw"])
+@pytest.mark.parametrize("name", BF16_OPS + ["adamw"])
 def test_cuda_matches_cpu_at_model_size(name):
     rng = np.random.default_rng(0)
     inputs, attrs = _inputs(name, rng)
     errors = _compare_backends(name, inputs, attrs, rng)
     assert all(np.isfinite(e) and e < REL_TOL for e in errors.values()), f"{name}: {errors}"
+
+
+@pytest.mark.parametrize("name", BF16_OPS)
+def test_cuda_bf16_matches_cpu_at_model_size(name):
+    """bf16 storage on the GPU against float32 on the CPU, from the same bf16-rounded inputs."""
+    rng = np.random.default_rng(0)
+    inputs, attrs = _inputs(name, rng)
+    errors = _compare_backends(name, inputs, attrs, rng, "bf16")
+    assert all(np.isfinite(e) and e < BF16_REL_TOL for e in errors.values()), f"{name}: {errors}"
+
+
+@pytest.mark.parametrize("b, t, s, h, kv, d", [(2, 77, 77, 6, 2, 32), (3, 1, 130, 4, 4, 64), (1, 200, 333, 8, 1, 64),
+                                               (2, 130, 200, 4, 2, 128), (2, 512, 512, 12, 4, 64)])
+def test_attention_bf16_tensor_cores(b, t, s, h, kv, d):
+    """The tensor-core kernels: lengths off the 64-row tiles, decoding (S > T), GQA groups of 1 to 8,
+    head sizes 32 to 128, and the gpu preset's shape."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((b, t, h, d))
+    k, v = rng.standard_normal((2, b, s, kv, d))
+    errors = _compare_backends("attention", (q, k, v), {}, rng, "bf16")
+    assert all(e < BF16_REL_TOL for e in errors.values()), errors
 
 
 def test_attention_decode_with_kv_cache():
@@ -118,11 +145,11 @@ def test_graph_replay_matches_eager():
     rng = np.random.default_rng(3)
     x = BACKEND.asarray(rng.standard_normal((N, C)))
     norm_w = BACKEND.asarray(1.0 + 0.1 * rng.standard_normal(C))
-    w_gate, w_up = (BACKEND.asarray(0.02 * rng.standard_normal((F, C))) for _ in range(2))
+    w_gate_up = BACKEND.asarray(0.02 * rng.standard_normal((2 * F, C)))
 
     def step():
         h, _ = rmsnorm.forward(x, norm_w, eps=1e-5)
-        y, _ = swiglu.forward(linear.forward(h, w_gate)[0], linear.forward(h, w_up)[0])
+        y, _ = swiglu.forward(linear.forward(h, w_gate_up)[0])
         return y
 
     replay, first = BACKEND.capture(step)

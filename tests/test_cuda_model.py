@@ -34,7 +34,7 @@ def test_gpu_training_follows_cpu_and_runs_move_between_backends(tmp_path):
     common = ("--steps", 20, "--batch-size", 4, "--eval-every", 10, "--ckpt-every", 10, "--seed", 3)
     cpu = cli("pretrain", "--backend", "cpu", "--out", tmp_path / "cpu", *common)
     assert cpu.returncode == 0, cpu.stderr
-    gpu = cli("pretrain", "--backend", "cuda", "--no-tf32", "--out", tmp_path / "gpu", "--tokenizer",
+    gpu = cli("pretrain", "--backend", "cuda", "--precision", "fp32", "--out", tmp_path / "gpu", "--tokenizer",
               tmp_path / "cpu" / "tokenizer.json", *common)
     assert gpu.returncode == 0, gpu.stderr
     for a, b in zip(losses(tmp_path / "cpu"), losses(tmp_path / "gpu")):

@@ -1,19 +1,21 @@
-"""Op tests generated from the registry: every op, every sample, every pair of its backends,
-and the reference backward against finite differences. A new op or backend is tested for free."""
+"""Op tests generated from the registry: every op, every sample, every pair of its backends, in
+every precision the op declares, and the reference backward against finite differences. A new
+op, backend or precision is tested for free."""
 
 import numpy as np
 import pytest
 
 from nanoeuler_core import registry
-from nanoeuler_core.engine.gradcheck import check_op
+from nanoeuler_core.engine.gradcheck import check_op, op_precisions
 
 OPS = sorted(registry.ops())
+CASES = [(name, precision) for name in OPS for precision in op_precisions(registry.op(name))]
 
 
-@pytest.mark.parametrize("name", OPS)
-def test_op_gradcheck(name):
-    checks = check_op(registry.op(name))
-    assert checks, f"op '{name}' produced no checks: its sample_inputs yields nothing"
+@pytest.mark.parametrize("name, precision", CASES)
+def test_op_gradcheck(name, precision):
+    checks = check_op(registry.op(name), precision=precision)
+    assert checks, f"op '{name}' produced no {precision} checks: its sample_inputs yields nothing"
     failed = [c.line() for c in checks if not c.ok]
     assert not failed, "\n".join(failed)
 

@@ -3,8 +3,9 @@
 Each engine runs in its own process, so thread pools, compilation caches and peak memory stay
 separate: nanoeuler (its captured training step: forward, backward, clipping, AdamW), then,
 where torch is installed, the same architecture in PyTorch (eager, and with torch.compile on a
-GPU), with the same AdamW settings. Times are medians over the timed steps after warm-up, with
-the device synchronised around each step.
+GPU), with the same AdamW settings and the same precision (TF32 matrix products for tf32; bf16
+autocast with float32 master weights for bf16). Times are medians over the timed steps after
+warm-up, with the device synchronised around each step.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 import numpy as np
 
 # Dense tensor-core / FP32 peaks (vendor datasheets, SXM parts), for model FLOPs utilisation.
-PEAK_TFLOPS = {"H100": {"tf32": 494.7, "fp32": 66.9}, "H200": {"tf32": 494.7, "fp32": 66.9}}
+PEAK_TFLOPS = {"H100": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}, "H200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}}
 
 
 def _batch(cfg, batch_size: int, seed: int = 0):
@@ -37,14 +38,13 @@ def _device_memory_mb() -> float:
     return (total - free) / 2**20
 
 
-def worker_nanoeuler(preset: str, backend: str, batch_size: int, steps: int, warmup: int, tf32: bool,
+def worker_nanoeuler(preset: str, backend: str, batch_size: int, steps: int, warmup: int, precision: str,
                      profile: bool) -> dict:
     from nanoeuler_core import Model, ModelConfig
     from nanoeuler_core.engine.optim import AdamW, TrainStep
 
     cfg = ModelConfig.preset(preset)
-    model = Model(cfg, backend=backend, seed=0)
-    model.backend.matmul_precision = "high" if tf32 else "highest"
+    model = Model(cfg, backend=backend, seed=0, precision=precision)
     step = TrainStep(model, AdamW(model))
     inputs, targets = _batch(cfg, batch_size)
     times, memory = [], 0.0
@@ -96,7 +96,7 @@ def profile_ops(model, inputs, targets, repeats: int = 3) -> list[tuple[str, flo
     return sorted(((k, v / repeats * 1e3) for k, v in totals.items()), key=lambda kv: -kv[1])
 
 
-def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup: int, tf32: bool,
+def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup: int, precision: str,
                  compile: bool) -> dict:
     import torch
 
@@ -104,8 +104,9 @@ def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup:
     from nanoeuler_core.bench.torch_peer import TorchModel
 
     device = "cuda" if backend == "cuda" else "cpu"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
     if device == "cpu":
         torch.set_num_threads(os.cpu_count())
     cfg = ModelConfig.preset(preset)
@@ -120,7 +121,9 @@ def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup:
             torch.cuda.synchronize()
         t = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss_fn(inputs, targets).backward()
+        with autocast:
+            loss = loss_fn(inputs, targets)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if device == "cuda":
@@ -179,7 +182,7 @@ def start_time(cache_dir: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def run(preset: str, backend: str, batch_size: int, steps: int, warmup: int, tf32: bool, profile: bool,
+def run(preset: str, backend: str, batch_size: int, steps: int, warmup: int, precision: str, profile: bool,
         peers: bool, echo=print) -> dict:
     """Measure nanoeuler and its PyTorch peers; print a table; return the numbers."""
     from nanoeuler_core import ModelConfig
@@ -187,10 +190,9 @@ def run(preset: str, backend: str, batch_size: int, steps: int, warmup: int, tf3
     cfg = ModelConfig.preset(preset)
     tokens = batch_size * cfg.ctx_len
     machine = gpu_name() if backend == "cuda" else f"{os.cpu_count()}-core CPU"
-    precision = "tf32" if tf32 and backend == "cuda" else "fp32"
     echo(f"preset {preset} ({cfg.n_params():,} parameters), batch {batch_size} x {cfg.ctx_len}, {machine}, "
          f"training step (forward, backward, clipping, AdamW), median of {steps} after {warmup} warm-up")
-    common = dict(preset=preset, backend=backend, batch_size=batch_size, steps=steps, warmup=warmup, tf32=tf32)
+    common = dict(preset=preset, backend=backend, batch_size=batch_size, steps=steps, warmup=warmup, precision=precision)
     rows = {f"nanoeuler {backend} {precision}": _run_worker({**common, "engine": "nanoeuler", "profile": profile})}
     if peers:
         try:

@@ -26,37 +26,52 @@ def ops() -> None:
 
 def gradcheck_cmd(
     backend: Optional[str] = typer.Option(None, help="check only this backend against the reference (default: all usable)"),
+    precision: str = typer.Option("fp32", help="fp32, tf32 or bf16: the ops (and the model) that run in this precision"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="print every comparison, not one line per op"),
     seed: int = typer.Option(0, help="seed for the sample inputs"),
 ) -> None:
-    """Check every op (finite differences and every backend pair) and the whole model's gradients."""
+    """Check every op (finite differences and every backend pair) and the whole model's gradients;
+    in a reduced precision, the backends running it against the float32 ones and the reference."""
     if backend is not None:
         registry.backend(backend)  # unknown names fail here with the list of backends
+    if precision not in registry.PRECISIONS:
+        raise ValueError(f"unknown precision '{precision}' (choose from: {', '.join(registry.PRECISIONS)})")
     only = [backend] if backend else None
     failures = 0
-    typer.echo("== ops: reference backward vs finite differences; every backend pair, forward and backward")
+    typer.echo(f"== ops in {precision}: " + ("reference backward vs finite differences; every backend pair, "
+                                             "forward and backward" if precision == "fp32" else
+                                             "its backends against the float32 ones and the reference"))
     for name, op in sorted(registry.ops().items()):
-        checks = gradcheck.check_op(op, only, seed=seed)
-        bad = [c for c in checks if not c.ok]
-        failures += len(bad)
-        if verbose:
-            for c in checks:
-                typer.echo("  " + c.line())
-        else:
-            backend_diffs = [c.max_abs for c in checks if c.b != "finite diff"]
-            pairs = sorted({f"{c.a}/{c.b}" for c in checks})
-            typer.echo(f"{'ok  ' if not bad else 'FAIL'} {name:<14} {len(checks):>3} checks ({', '.join(pairs)}); "
-                       f"largest backend difference {max(backend_diffs, default=0.0):.1e}")
-            for c in bad:
-                typer.echo("  " + c.line())
-
+        if precision not in gradcheck.op_precisions(op, only):
+            continue
+        checks = gradcheck.check_op(op, only, seed=seed, precision=precision)
+        failures += _echo_op_checks(name, checks, verbose)
     typer.echo("== model (float64 reference): analytic gradient vs central finite differences")
     failures += _echo_checks(gradcheck.check_model_finite_differences(seed))
-    model_backends = [b for b in (only or registry.backends()) if b != "reference" and registry.backend(b).available()]
+    model_backends = [b for b in (only or registry.backends()) if b != "reference" and registry.backend(b).available()
+                      and precision in registry.backend(b).precisions]
     for name in model_backends:
-        typer.echo(f"== model: {name} backend vs reference, loss and every gradient tensor")
-        failures += _echo_checks(gradcheck.check_model_backend(name, seed))
+        bound = gradcheck.MODEL_BACKEND_BOUND if precision == "fp32" else gradcheck.MODEL_PRECISION_BOUND[precision]
+        typer.echo(f"== model: {name} backend in {precision} vs reference, loss and every gradient tensor "
+                   f"(bound {bound:.0e} of each tensor's scale)")
+        failures += _echo_checks(gradcheck.check_model_backend(name, seed, bound=bound, precision=precision))
     _verdict("gradcheck", failures)
+
+
+def _echo_op_checks(name: str, checks, verbose: bool) -> int:
+    """One line per op (every comparison with --verbose), the failures spelled out; returns how many failed."""
+    bad = [c for c in checks if not c.ok]
+    if verbose:
+        for c in checks:
+            typer.echo("  " + c.line())
+    else:
+        backend_diffs = [c.max_abs for c in checks if c.b != "finite diff"]
+        pairs = sorted({f"{c.a}/{c.b}" for c in checks})
+        typer.echo(f"{'ok  ' if not bad else 'FAIL'} {name:<14} {len(checks):>3} checks ({', '.join(pairs)}); "
+                   f"largest backend difference {max(backend_diffs, default=0.0):.1e}")
+        for c in bad:
+            typer.echo("  " + c.line())
+    return len(bad)
 
 
 def _echo_checks(checks) -> int:
@@ -75,37 +90,32 @@ def _verdict(command: str, failures: int) -> None:
 
 def selftest(
     backend: str = typer.Option("cuda", help="the backend to test against its CPU twin"),
+    precision: Optional[str] = typer.Option(None, help="fp32, tf32 or bf16 (default: every precision the backend runs)"),
     seed: int = typer.Option(0, help="seed for the inputs"),
 ) -> None:
-    """Every kernel of BACKEND against the CPU, the `small` model's gradients, and the captured step."""
+    """Every kernel of BACKEND against the CPU, the `small` model's gradients, and the captured step,
+    in each precision."""
     from nanoeuler_core.engine.config import ModelConfig
 
     be = registry.backend(backend)
     if backend == "cpu" or not be.available():
         raise ValueError(f"selftest compares a backend with the CPU: '{backend}' is not usable here")
-    failures = 0
-    typer.echo(f"== ops: {backend} vs cpu (and the reference), forward and backward")
-    for name, op in sorted(registry.ops().items()):
-        if backend not in op.backends:
-            typer.echo(f"skip {name:<14} (no {backend} implementation)")
-            continue
-        checks = [c for c in gradcheck.check_op(op, ["cpu", backend], seed=seed) if c.b != "finite diff"]
-        bad = [c for c in checks if not c.ok]
-        failures += len(bad)
-        typer.echo(f"{'ok  ' if not bad else 'FAIL'} {name:<14} {len(checks):>3} checks, largest difference "
-                   f"{max(c.max_abs for c in checks):.1e}")
-        for c in bad:
-            typer.echo("  " + c.line())
+    precisions = [be.check_precision(precision)] if precision else list(be.precisions)
     small = ModelConfig.preset("small")
-    for precision, bound in (("highest", 1e-5), ("high", 5e-3)):
-        be.matmul_precision = precision
-        label = "TF32 on" if precision == "high" else "TF32 off"
-        typer.echo(f"== model `small`: {backend} gradients vs cpu, {label} (bound {bound:.0e} of each tensor's scale)")
+    failures = 0
+    for p in precisions:
+        typer.echo(f"== ops in {p}: {backend} vs cpu (and the reference), forward and backward")
+        for name, op in sorted(registry.ops().items()):
+            if backend not in op.backends or p not in op.precisions_on(backend):
+                continue
+            checks = [c for c in gradcheck.check_op(op, ["cpu", backend], seed=seed, precision=p) if c.b != "finite diff"]
+            failures += _echo_op_checks(name, checks, verbose=False)
+        bound = gradcheck.MODEL_PRECISION_BOUND[p]
+        typer.echo(f"== model `small` in {p}: {backend} loss and gradients vs cpu (bound {bound:.0e} of each tensor's scale)")
         failures += _echo_checks(gradcheck.check_model_backend(backend, seed, against="cpu", cfg=small, batch_size=4,
-                                                               bound=bound))
-    be.matmul_precision = "highest"
-    typer.echo("== training step: captured and replayed vs launched eagerly")
-    failures += _echo_checks([gradcheck.check_graph_replay(backend, small)])
+                                                               bound=bound, precision=p))
+        typer.echo(f"== training step in {p}: captured and replayed vs launched eagerly")
+        failures += _echo_checks([gradcheck.check_graph_replay(backend, small, precision=p)])
     _verdict("selftest", failures)
 
 
@@ -115,7 +125,8 @@ def bench(
     batch_size: int = typer.Option(8, help="sequences per step"),
     steps: int = typer.Option(20, help="timed steps"),
     warmup: int = typer.Option(3, help="untimed steps first (compilation, graph capture)"),
-    tf32: bool = typer.Option(True, help="CUDA: TF32 tensor-core matrix products, in both engines"),
+    precision: Optional[str] = typer.Option(None, help="fp32, tf32 or bf16, in both engines (default: bf16 on a CUDA "
+                                                       "GPU with tensor cores, fp32 on the CPU)"),
     profile: bool = typer.Option(False, help="also time each op in an eager step"),
     peers: bool = typer.Option(True, help="compare with PyTorch where it is installed"),
     startup: bool = typer.Option(False, help="also time a cold (empty kernel cache) and a warm start"),
@@ -125,14 +136,16 @@ def bench(
 
     from nanoeuler_core.bench import training as benchmark
 
-    if registry.backend(backend).name == "reference" or steps < 1 or batch_size < 1:
+    be = registry.backend(backend)
+    if be.name == "reference" or steps < 1 or batch_size < 1:
         raise ValueError("bench needs --backend cpu or cuda, and positive --steps and --batch-size")
+    precision = be.check_precision(precision or be.default_precision)
     if startup:
         with tempfile.TemporaryDirectory() as cache:
             cold, warm = benchmark.start_time(cache), benchmark.start_time(cache)
         typer.echo(f"start of a small forward+backward on the CPU: cold {cold:.1f} s (compiling kernels), "
                    f"warm {warm:.1f} s (cached kernels)")
-    benchmark.run(preset, backend, batch_size, steps, warmup, tf32, profile, peers, echo=typer.echo)
+    benchmark.run(preset, backend, batch_size, steps, warmup, precision, profile, peers, echo=typer.echo)
 
 
 def register(app: typer.Typer) -> None:

@@ -8,13 +8,13 @@ from typing import Iterator, Optional
 
 import typer
 
+from nanoeuler_core.cli.train import PRECISION_HELP, stream_text
 from nanoeuler_core.engine import checkpoint
-from nanoeuler_core.training import dpo, sft
-from nanoeuler_core.inference.loading import load_model
-from nanoeuler_core.training import pretrain as training
 from nanoeuler_core.inference.chat import Conversation
-from nanoeuler_core.cli.train import stream_text
 from nanoeuler_core.inference.generate import check_sampling
+from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.training import dpo, sft
+from nanoeuler_core.training import pretrain as training
 
 
 def _log(msg: str) -> None:
@@ -37,11 +37,12 @@ def sft_command(
     val_fraction: float = typer.Option(0.1, help="the last fraction of the examples held out for evaluation"),
     eval_every: int = typer.Option(100, help="held-out loss every N steps"),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
+    precision: Optional[str] = typer.Option(None, help=PRECISION_HELP),
 ) -> None:
     """Fine-tune a pretrained run on instructions; reports held-out exact match before and after."""
     data = data or sft.bundled_tasks()
     tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                              eval_every=eval_every, val_fraction=val_fraction)
+                              eval_every=eval_every, val_fraction=val_fraction, precision=precision)
     run, heldout = sft.start_sft(base, data, out, tc, _log)
     if heldout:
         _log(_accuracy_line("base model on the held-out examples", *sft.exact_match(run.model, run.tok, heldout)))
@@ -68,11 +69,12 @@ def dpo_command(
     val_fraction: float = typer.Option(0.1, help="the last fraction of the pairs held out for evaluation"),
     eval_every: int = typer.Option(50, help="held-out preference accuracy every N steps"),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
+    precision: Optional[str] = typer.Option(None, help=PRECISION_HELP),
 ) -> None:
     """Align a run with preference pairs (DPO); reports held-out preference accuracy before and after."""
     data = data or dpo.bundled_pairs()
     tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                              eval_every=eval_every, val_fraction=val_fraction)
+                              eval_every=eval_every, val_fraction=val_fraction, precision=precision)
     trainer = dpo.start_dpo(base, data, out, tc, beta, _log)
     heldout = trainer.heldout
     if heldout is not None:

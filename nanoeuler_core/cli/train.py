@@ -9,11 +9,12 @@ from typing import Optional
 
 import typer
 
+from nanoeuler_core.inference.generate import check_sampling
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.training import pretrain as training
 
 DEFAULT = {f.name: f.default for f in fields(training.TrainConfig)}
-from nanoeuler_core.inference.generate import check_sampling
+PRECISION_HELP = "fp32, tf32 or bf16 (default: bf16 on a CUDA GPU with tensor cores, fp32 on the CPU)"
 
 
 def pretrain(
@@ -34,23 +35,24 @@ def pretrain(
     resume: Optional[Path] = typer.Option(None, help="continue the run in this directory (its settings are kept; "
                                                       "--steps and --backend may change)"),
     sample_prompt: str = typer.Option("\n", help="prompt of the sample printed at the end"),
-    tf32: bool = typer.Option(True, help="CUDA: TF32 tensor-core matrix products"),
+    precision: Optional[str] = typer.Option(None, help=PRECISION_HELP + "; with --resume: the run's own"),
     eager: bool = typer.Option(False, help="CUDA: launch each kernel from Python instead of replaying the captured step"),
 ) -> None:
     """Pretrain a model; with no arguments, the `small` preset on the bundled corpus on the CPU."""
     log = lambda msg: typer.echo(msg, err=True)  # noqa: E731
     if resume is not None:
-        overrides = {"backend": backend, "tf32": tf32, "eager": eager} | ({"steps": steps} if steps is not None else {})
+        overrides = {"backend": backend, "precision": precision, "eager": eager} | ({"steps": steps} if steps is not None else {})
         run = training.resume_run(resume, overrides, log)
     else:
         tc = training.TrainConfig(preset=preset, backend=backend, corpus=str(corpus) if corpus else None,
                                   tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
                                   batch_size=batch_size,
                                   lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
-                                  ckpt_every=ckpt_every, tf32=tf32, eager=eager)
+                                  ckpt_every=ckpt_every, precision=precision, eager=eager)
         run = training.start_run(out, tc, log)
     cfg = run.model.cfg
-    log(f"run {run.dir}: {cfg.n_params():,} parameters ({run.config.preset}), backend {run.config.backend}, "
+    log(f"run {run.dir}: {cfg.n_params():,} parameters ({run.config.preset}), backend {run.config.backend} "
+        f"({run.config.precision}), "
         f"batch {run.config.batch_size} x {cfg.ctx_len}, steps {run.optimizer.step_count} -> {run.config.steps}")
     log(f"unigram baseline loss: {run.unigram_loss:.3f} nats (a model that ignores context)")
     row, interrupted = training.train(run, log)

@@ -2,10 +2,14 @@
 
 For every registered op and every sample it yields:
   * the reference backward agrees with central finite differences (float64);
-  * every pair of backends agrees on the forward and the backward, within the op's `tol`.
+  * every pair of backends agrees on the forward and the backward, within the op's `tol`;
+  * in each reduced precision an op declares (tf32, bf16), the backends running it agree with the
+    float32 ones and the float64 reference, within that precision's bound (`Op.tol_for`), on
+    inputs rounded to what that precision stores.
 
-A new op or backend is checked without writing a test: `check_op` walks whatever is registered.
-The full-model check (every parameter tensor against finite differences) lives in `check_model`.
+A new op, backend or precision is checked without writing a test: `check_op` walks whatever is
+registered. The full-model checks (every parameter tensor against finite differences, and each
+backend against another) are `check_model_finite_differences` and `check_model_backend`.
 """
 
 from __future__ import annotations
@@ -54,39 +58,68 @@ def _compare(op: Op, sample: Sample, a: str, b: str, what: str, x, y, rtol, atol
     return Check(op.name, sample.name, a, b, what, max_abs, max_rel, ok)
 
 
-def _rounded(sample: Sample) -> tuple:
-    """Inputs rounded to float32 values, so backends differ only by their arithmetic."""
-    return tuple(x.astype(np.float32).astype(np.float64) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x
+def stored_values(x: np.ndarray, precision: str = "fp32") -> np.ndarray:
+    """Float values rounded to what `precision` stores (float32, or bfloat16's 8 significant bits),
+    as float64: every backend then starts from the same numbers and differs only in its arithmetic."""
+    x = np.asarray(x, dtype=np.float32)
+    if precision == "bf16":
+        x = registry.bf16_values(registry.bf16_bits(x))
+    return x.astype(np.float64)
+
+
+def _rounded(sample: Sample, precision: str = "fp32") -> tuple:
+    return tuple(stored_values(x, precision) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x
                  for x in sample.inputs)
 
 
-def run_backend(op: Op, backend_name: str, inputs: tuple, attrs: dict, dout=None):
+def run_backend(op: Op, backend_name: str, inputs: tuple, attrs: dict, dout=None, precision: str = "fp32"):
     """Forward (and backward with `dout`, if the op has one) on one backend; host arrays back.
 
+    `precision` applies where the op runs in it on this backend (else the backend runs fp32): in
+    bf16 the float inputs are stored as bf16, and dout in the storage of the forward's output.
     Returns (outputs, grads): outputs is the forward's result followed by each in-place input
     after the call; grads is one host array (or None) per input.
     """
     be = registry.backend(backend_name)
     impl = op.impl(backend_name)
-    args = tuple(be.asarray(x) if isinstance(x, np.ndarray) else x for x in inputs)
-    out, saved = impl.forward(*args, **attrs)
-    outputs = [be.to_host(out)] + [be.to_host(args[i]) for i in op.inplace]
-    grads = None
-    if dout is not None and op.differentiable:
-        grads = impl.backward(be.asarray(dout), saved, *args, **attrs)
-        grads = [None if g is None else be.to_host(g) for g in grads]
+    if precision not in op.precisions_on(backend_name):
+        precision = "fp32"
+    low = "bf16" if precision == "bf16" else None
+    args = tuple((be.asarray(x, low if x.dtype.kind == "f" else None) if isinstance(x, np.ndarray) else x)
+                 for x in inputs)
+    with be.matmul_mode(precision):
+        out, saved = impl.forward(*args, **attrs)
+        outputs = [be.to_host(o) for o in _outputs(out)] + [be.to_host(args[i]) for i in op.inplace]
+        grads = None
+        if dout is not None and op.differentiable:
+            douts = tuple(be.asarray(d, "bf16" if low and getattr(o, "dtype", None) == np.uint16 else None)
+                          for d, o in zip(_outputs(dout), _outputs(out)))
+            grads = impl.backward(douts if isinstance(out, tuple) else douts[0], saved, *args, **attrs)
+            grads = [None if g is None else be.to_host(g) for g in grads]
     return outputs, grads
+
+
+def _outputs(out) -> tuple:
+    """An op's output as a tuple (ops with several outputs return a tuple of arrays)."""
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _random_like(out, rng: np.random.Generator, precision: str = "fp32"):
+    """Random weights shaped like an op's output (a tuple for several outputs), rounded to `precision`."""
+    weights = tuple(stored_values(rng.standard_normal(np.shape(o)), precision) for o in _outputs(out))
+    return weights if isinstance(out, tuple) else weights[0]
 
 
 def finite_difference_check(op: Op, sample: Sample, rng: np.random.Generator) -> list[Check]:
     """The reference backward against central differences of L = sum(out * R), in float64."""
     inputs = [x.copy() if isinstance(x, np.ndarray) else x for x in _rounded(sample)]
     out, saved = op.reference.forward(*inputs, **sample.attrs)
-    weights = rng.standard_normal(np.shape(out))
+    weights = _random_like(out, rng)
     grads = op.reference.backward(weights, saved, *inputs, **sample.attrs)
 
     def loss() -> float:
-        return float(np.sum(op.reference.forward(*inputs, **sample.attrs)[0] * weights))
+        outputs = _outputs(op.reference.forward(*inputs, **sample.attrs)[0])
+        return float(sum(np.sum(o * w) for o, w in zip(outputs, _outputs(weights))))
 
     checks = []
     for i in sample.grad_inputs:
@@ -109,23 +142,30 @@ def finite_difference_check(op: Op, sample: Sample, rng: np.random.Generator) ->
     return checks
 
 
-def backend_pair_checks(op: Op, sample: Sample, backends: list[str], rng: np.random.Generator) -> list[Check]:
-    """Forward and backward of every pair of `backends` on one sample."""
-    inputs = _rounded(sample)
+def backend_pair_checks(op: Op, sample: Sample, backends: list[str], rng: np.random.Generator,
+                        precision: str = "fp32") -> list[Check]:
+    """Forward and backward of every pair of `backends` on one sample. In a reduced precision,
+    only the pairs where one side runs that precision (the others ran at fp32 already)."""
+    inputs = _rounded(sample, precision)
     dout = None
     if op.differentiable:
-        out_shape = np.shape(op.reference.forward(*inputs, **sample.attrs)[0])
-        dout = rng.standard_normal(out_shape).astype(np.float32).astype(np.float64)
-    results = {name: run_backend(op, name, inputs, sample.attrs, dout) for name in backends}
-    rtol, atol = op.tol.rtol, op.tol.atol
+        dout = _random_like(op.reference.forward(*inputs, **sample.attrs)[0], rng, precision)
+    results = {name: run_backend(op, name, inputs, sample.attrs, dout, precision) for name in backends}
+    tol = op.tol_for(precision)
     checks = []
     for a, b in combinations(backends, 2):
+        if precision != "fp32" and precision not in op.precisions_on(a) + op.precisions_on(b):
+            continue
+        label_a = a if precision == "fp32" or precision not in op.precisions_on(a) else f"{a}:{precision}"
+        label_b = b if precision == "fp32" or precision not in op.precisions_on(b) else f"{b}:{precision}"
         (out_a, grads_a), (out_b, grads_b) = results[a], results[b]
+        n_out = len(out_a) - len(op.inplace)
         for k, (x, y) in enumerate(zip(out_a, out_b)):
-            what = "forward" if k == 0 else f"inplace x{op.inplace[k - 1]}"
-            checks.append(_compare(op, sample, a, b, what, x, y, rtol, atol))
+            what = ("forward" if n_out == 1 else f"forward y{k}") if k < n_out else f"inplace x{op.inplace[k - n_out]}"
+            checks.append(_compare(op, sample, label_a, label_b, what, x, y, tol.rtol, tol.atol))
         for i in sample.grad_inputs if op.differentiable else ():
-            checks.append(_compare(op, sample, a, b, f"grad x{i}", grads_a[i], grads_b[i], rtol, atol))
+            checks.append(_compare(op, sample, label_a, label_b, f"grad x{i}", grads_a[i], grads_b[i],
+                                   tol.rtol, tol.atol))
     return checks
 
 
@@ -142,15 +182,27 @@ def available_backends(op: Op, only: list[str] | None = None) -> list[str]:
     return names
 
 
-def check_op(op: Op, backends: list[str] | None = None, seed: int = 0) -> list[Check]:
-    """All checks of one op: finite differences on the reference, then every backend pair."""
+def op_precisions(op: Op, backends: list[str] | None = None) -> list[str]:
+    """The precisions `op` runs in on the usable ones of `backends`, fp32 first."""
+    found = {p for name in available_backends(op, backends) for p in op.precisions_on(name)
+             if p in registry.backend(name).precisions}
+    return [p for p in registry.PRECISIONS if p in found]
+
+
+def check_op(op: Op, backends: list[str] | None = None, seed: int = 0, precision: str = "fp32") -> list[Check]:
+    """All checks of one op in one precision: at fp32, finite differences on the reference, then
+    every backend pair; in a reduced precision, its backends against the others."""
     rng = np.random.default_rng(seed)
     names = available_backends(op, backends)
+    if precision != "fp32":
+        names = [n for n in names if precision not in op.precisions_on(n) or precision in registry.backend(n).precisions]
     checks = []
     for sample in op.sample_inputs(rng):
-        if op.differentiable:
+        if precision not in sample.precisions:
+            continue
+        if op.differentiable and precision == "fp32":
             checks += finite_difference_check(op, sample, rng)
-        checks += backend_pair_checks(op, sample, names, rng)
+        checks += backend_pair_checks(op, sample, names, rng, precision)
     return checks
 
 
@@ -160,6 +212,8 @@ def check_op(op: Op, backends: list[str] | None = None, seed: int = 0) -> list[C
 MODEL_FD_STEP = 1e-4
 MODEL_FD_BOUND = 2e-5         # reference (float64) analytic vs finite differences, relative to the tensor's scale
 MODEL_BACKEND_BOUND = 1e-4    # a float32 backend's gradients vs the reference's, relative to the tensor's scale
+# a backend's loss and gradients vs the float32 CPU's in each precision, relative to the tensor's scale
+MODEL_PRECISION_BOUND = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 5e-2}
 MODEL_FD_PROBES = 6           # elements probed per parameter tensor
 
 
@@ -224,17 +278,18 @@ def check_model_finite_differences(seed: int = 0) -> list[TensorCheck]:
 
 
 def check_model_backend(backend: str, seed: int = 0, against: str = "reference", cfg=None, batch_size: int = 2,
-                        bound: float = MODEL_BACKEND_BOUND) -> list[TensorCheck]:
-    """One backend's loss and every gradient tensor against another backend's (the float64
-    reference by default) on the same weights and batch; errors relative to each tensor's scale."""
+                        bound: float = MODEL_BACKEND_BOUND, precision: str = "fp32") -> list[TensorCheck]:
+    """One backend's loss and every gradient tensor, in `precision`, against another backend's
+    (the float64 reference by default) on the same weights and batch (weights rounded to what
+    `precision` stores); errors relative to each tensor's scale."""
     from nanoeuler_core.engine.model import Model
 
     cfg = cfg or tiny_config()
     rng = np.random.default_rng(seed)
-    base = Model(cfg, backend=against, seed=seed)
-    other = Model(cfg, backend=backend, seed=seed)
-    other.load_params({n: w.astype(np.float32) for n, w in base.params.items()})
-    base.load_params(other.params)  # both on the same float32-rounded weights
+    base = Model(cfg, backend=against, seed=seed, precision="fp32")
+    other = Model(cfg, backend=backend, seed=seed, precision=precision)
+    other.load_params({n: stored_values(w, precision) for n, w in base.params.items()})
+    base.load_params(other.params)  # both on the same rounded weights
     inputs, targets = tiny_batch(cfg, rng, B=batch_size, T=cfg.ctx_len)
     loss_base, grads_base = base.loss_and_grad(inputs, targets)
     loss_other, grads_other = other.loss_and_grad(inputs, targets)
@@ -243,7 +298,7 @@ def check_model_backend(backend: str, seed: int = 0, against: str = "reference",
     return checks
 
 
-def check_graph_replay(backend: str, cfg=None, steps: int = 3, seed: int = 0) -> TensorCheck:
+def check_graph_replay(backend: str, cfg=None, steps: int = 3, seed: int = 0, precision: str = "fp32") -> TensorCheck:
     """A captured training step (replayed) against the same steps launched eagerly: losses,
     gradient norms and weights must agree exactly."""
     from nanoeuler_core.engine.model import Model
@@ -252,7 +307,7 @@ def check_graph_replay(backend: str, cfg=None, steps: int = 3, seed: int = 0) ->
     cfg = cfg or tiny_config()
     results = []
     for capture in (True, False):
-        model = Model(cfg, backend=backend, seed=seed)
+        model = Model(cfg, backend=backend, seed=seed, precision=precision)
         step = TrainStep(model, AdamW(model), capture=capture)
         rng = np.random.default_rng(seed)
         history = [step(*tiny_batch(cfg, rng, B=2, T=cfg.ctx_len), 1e-3) for _ in range(steps)]

@@ -8,10 +8,21 @@ then a final rmsnorm and K multi-token-prediction heads. There is no autograd ta
 keeps what the backward needs in an explicit cache, and `_backward_blocks` walks the blocks in reverse,
 calling each op's backward by hand, as llm.c's gpt2_backward does.
 
+Each step's residual add is fused with the norm that follows it (`add_rmsnorm`: the attention
+step's sum with ffn_norm, the feed-forward step's sum with the next block's attn_norm, or the final
+norm), so the residual stream is read once per step. q, k and v come from one matrix product with
+the stacked weights [wq; wk; wv], gate and up from one with [w_gate; w_up]: both stacks are
+adjacent in the parameter buffer, so they are views, not copies.
+
 Every op comes from the registry and runs on the chosen backend ("reference": NumPy float64,
 "cpu": Numba, "cuda": Numba CUDA); the model never touches a backend's internals. All
 parameters live in one flat buffer with named views, matrices first so that weight decay covers
 the prefix [0, n_decay); the gradients live in a twin buffer.
+
+Precision (SPEC.md section 7): "fp32"; "tf32" (float32 storage, TF32 matrix products); "bf16"
+(mixed precision: the float32 buffer holds the master weights and receives float32 gradients,
+while the forward and backward read a bf16 copy of the weights, refreshed after each update, and
+keep activations and activation gradients in bf16; the ops accumulate in float32).
 
 Shapes: B batch, T time, C = dim, H query heads, KV key/value heads, D = C / H, F = hidden_dim,
 V = vocab_size, N = B * T rows.
@@ -19,6 +30,7 @@ V = vocab_size, N = B * T rows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,33 +41,43 @@ from nanoeuler_core import registry
 from nanoeuler_core.engine.checkpoint import FORMAT, CheckpointError, load_tensors, read_json, save_tensors, write_json
 from nanoeuler_core.engine.config import ModelConfig
 
-MODEL_OPS = ("embedding", "rmsnorm", "linear", "rope", "attention", "swiglu", "add", "cross_entropy")
+MODEL_OPS = ("embedding", "rmsnorm", "add_rmsnorm", "linear", "qkv_rope", "attention", "swiglu", "add",
+             "cross_entropy")
+STACKED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}   # one matrix product each
 
 
 @dataclass
 class BlockCache:
     """What one block's backward needs from its forward (all (N, .) rows unless noted)."""
 
-    x_in: object        # block input (N, C)
-    h_attn: object      # rmsnorm(x_in) (N, C)
-    rstd_attn: object   # (N,)
+    h_attn: object      # rmsnorm(block input; attn_norm) (N, C)
+    qkv: object         # h_attn @ wqkv.T (B, T, (H + 2 KV) D)
     q: object           # after RoPE (B, T, H, D)
     k: object           # after RoPE (B, T, KV, D)
     v: object           # (B, T, KV, D)
     attn_saved: tuple   # (o (B, T, H, D), lse (B, H, T))
-    x_mid: object       # x_in + attention branch (N, C)
-    h_ffn: object       # rmsnorm(x_mid) (N, C)
-    rstd_ffn: object    # (N,)
-    gate: object        # (N, F)
-    up: object          # (N, F)
+    ffn_saved: tuple    # add_rmsnorm's: (x_mid = input + attention branch (N, C), its rstd (N,))
+    h_ffn: object       # rmsnorm(x_mid; ffn_norm) (N, C)
+    gate_up: object     # h_ffn @ w_gate_up.T (N, 2F)
     act: object         # silu(gate) * up (N, F)
+    out_saved: tuple    # add_rmsnorm's: (block output = x_mid + feed-forward branch, its rstd under the next norm)
+
+
+def _computing(method):
+    """Run a method in the model's matrix-product precision (see Model.computing)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.computing():
+            return method(self, *args, **kwargs)
+    return run
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, backend: str = "cpu", seed: int = 0):
+    def __init__(self, cfg: ModelConfig, backend: str = "cpu", seed: int = 0, precision: str | None = None):
         self.cfg = cfg
         self.backend_name = backend
         self.backend = usable_backend(backend)
+        self.precision = self.backend.check_precision(precision or self.backend.default_precision)
         self.ops = SimpleNamespace(**{name: registry.op(name).impl(backend) for name in MODEL_OPS})
 
         shapes = cfg.param_shapes()
@@ -69,12 +91,19 @@ class Model:
         self.n_params = offset
         self.n_decay = sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2)
 
-        self.flat = self.backend.asarray(self._init_flat(seed))
+        self.flat = self.backend.asarray(self._init_flat(seed))   # the master weights
         self.grad_flat = self.backend.zeros(self.n_params)
-        self.weights = self._views(self.flat)
+        # what the forward and backward read: the master weights, or their bf16 copy
+        self.compute_flat = self.backend.zeros(self.n_params, "bf16") if self.precision == "bf16" else self.flat
+        self.refresh_compute_weights()
+        self.master = self._views(self.flat)
+        self.weights = self._views(self.compute_flat)
         self.grads = self._views(self.grad_flat)
-        self.layers = [self._layer(self.weights, i) for i in range(cfg.n_layers)]
-        self.layer_grads = [self._layer(self.grads, i) for i in range(cfg.n_layers)]
+        self.layers = [self._layer(self.compute_flat, self.weights, i) for i in range(cfg.n_layers)]
+        self.layer_grads = [self._layer(self.grad_flat, self.grads, i) for i in range(cfg.n_layers)]
+        # the norm after each block: the next block's attn_norm, the final norm after the last
+        self.next_norms = [L.attn_norm for L in self.layers[1:]] + [self.weights["norm"]]
+        self.next_norm_grads = [G.attn_norm for G in self.layer_grads[1:]] + [self.grads["norm"]]
 
     # ----------------------------------------------------------------------------------------
     # parameters
@@ -102,15 +131,32 @@ class Model:
             views[name] = flat[offset:offset + int(np.prod(shape))].reshape(shape)
         return views
 
-    @staticmethod
-    def _layer(tensors: dict, i: int) -> SimpleNamespace:
+    def _layer(self, flat, tensors: dict, i: int) -> SimpleNamespace:
+        """Block i's tensors (views of `flat`) by short name, and its stacked matrices (STACKED)."""
         prefix = f"layers.{i}."
-        return SimpleNamespace(**{n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)})
+        layer = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
+        for stack, names in STACKED.items():
+            first, (_, cols) = self.layout[prefix + names[0]]
+            rows = sum(self.layout[prefix + n][1][0] for n in names)
+            assert all(self.layout[prefix + b][0] == self.layout[prefix + a][0] + layer[a].size
+                       for a, b in zip(names, names[1:])), f"{names} are not adjacent in the parameter buffer"
+            layer[stack] = flat[first:first + rows * cols].reshape(rows, cols)
+        return SimpleNamespace(**layer)
 
     @property
     def params(self) -> dict[str, np.ndarray]:
         """name -> array: views into the parameter buffer on the CPU backends, host copies for "cuda"."""
-        return {name: self.backend.to_host(w) for name, w in self.weights.items()}
+        return {name: self.backend.to_host(w) for name, w in self.master.items()}
+
+    def refresh_compute_weights(self) -> None:
+        """Copy the master weights into the bf16 copy the ops read (nothing to do in fp32 and tf32);
+        backend work only, so a captured step includes it."""
+        if self.compute_flat is not self.flat:
+            self.backend.copy_(self.compute_flat, self.flat)
+
+    def computing(self):
+        """The context every computation of this model runs in: its matrix-product precision."""
+        return self.backend.matmul_mode(self.precision)
 
     def load_params(self, params: dict) -> None:
         """Copy `params` (name -> array with the shapes of SPEC.md section 2) into the model."""
@@ -123,7 +169,8 @@ class Model:
             if value.shape != shape:
                 raise ValueError(f"parameter '{name}' has shape {value.shape}, the model expects {shape}")
         for name in expected:
-            self.backend.copy_(self.weights[name], np.ascontiguousarray(params[name], dtype=self.backend.dtype))
+            self.backend.copy_(self.master[name], np.ascontiguousarray(params[name], dtype=self.backend.dtype))
+        self.refresh_compute_weights()
 
     # ----------------------------------------------------------------------------------------
     # forward
@@ -139,8 +186,8 @@ class Model:
         return ids.astype(np.int64)
 
     def _forward(self, ids, B: int, T: int, kv: list | None = None, start: int = 0):
-        """ids (N,) on the backend -> final hidden state (N, C), per-block caches, and the final
-        norm's input and cache.
+        """ids (N,) on the backend -> final hidden state (N, C) (after the final norm), per-block
+        caches, and the first norm's input and rstd.
 
         With a KV cache (generation, B = 1), the tokens sit at positions start .. start + T - 1:
         their keys and values are appended to `kv` and attention reads every cached position.
@@ -150,16 +197,14 @@ class Model:
         S = start + T  # key positions visible to the last query
 
         x, _ = f.embedding.forward(ids, self.weights["tok_emb"])
+        h_attn, (rstd,) = f.rmsnorm.forward(x, self.layers[0].attn_norm, eps=eps)
+        first_saved = (x, rstd)
         caches = []
         for i, L in enumerate(self.layers):
-            # attention Euler step: x = x + wo(attention(rope(q), rope(k), v)) of rmsnorm(x)
-            h_attn, (rstd_attn,) = f.rmsnorm.forward(x, L.attn_norm, eps=eps)
-            q, _ = f.linear.forward(h_attn, L.wq)
-            k, _ = f.linear.forward(h_attn, L.wk)
-            v, _ = f.linear.forward(h_attn, L.wv)
-            q, _ = f.rope.forward(q.reshape(B, T, H, D), theta=cfg.rope_theta, start_pos=start)
-            k, _ = f.rope.forward(k.reshape(B, T, KV, D), theta=cfg.rope_theta, start_pos=start)
-            v = v.reshape(B, T, KV, D)
+            # attention Euler step: x_mid = x + wo(attention(rope(q), rope(k), v)), h_attn = rmsnorm(x)
+            qkv, _ = f.linear.forward(h_attn, L.wqkv)
+            qkv = qkv.reshape(B, T, (H + 2 * KV) * D)
+            (q, k, v), _ = f.qkv_rope.forward(qkv, n_heads=H, n_kv_heads=KV, theta=cfg.rope_theta, start_pos=start)
             k_all, v_all = k, v
             if kv is not None:
                 k_cache, v_cache = kv[i]  # (ctx_len, KV, D) each
@@ -168,22 +213,21 @@ class Model:
                 k_all, v_all = k_cache[:S].reshape(1, S, KV, D), v_cache[:S].reshape(1, S, KV, D)
             o, attn_saved = f.attention.forward(q, k_all, v_all)
             attn_out, _ = f.linear.forward(o.reshape(N, H * D), L.wo)
-            x_mid, _ = f.add.forward(x, attn_out)
-            # feed-forward Euler step: x = x + w_down(silu(w_gate h) * w_up h) of rmsnorm(x)
-            h_ffn, (rstd_ffn,) = f.rmsnorm.forward(x_mid, L.ffn_norm, eps=eps)
-            gate, _ = f.linear.forward(h_ffn, L.w_gate)
-            up, _ = f.linear.forward(h_ffn, L.w_up)
-            act, _ = f.swiglu.forward(gate, up)
+            (x_mid, h_ffn), ffn_saved = f.add_rmsnorm.forward(x, attn_out, L.ffn_norm, eps=eps)
+            # feed-forward Euler step: x_out = x_mid + w_down(silu(w_gate h) * w_up h), h = rmsnorm(x_mid)
+            gate_up, _ = f.linear.forward(h_ffn, L.w_gate_up)
+            act, _ = f.swiglu.forward(gate_up)
             ffn_out, _ = f.linear.forward(act, L.w_down)
-            caches.append(BlockCache(x, h_attn, rstd_attn, q, k, v, attn_saved, x_mid, h_ffn, rstd_ffn, gate, up, act))
-            x, _ = f.add.forward(x_mid, ffn_out)
-        h_final, (rstd_final,) = f.rmsnorm.forward(x, self.weights["norm"], eps=eps)
-        return h_final, caches, (x, rstd_final)
+            caches.append(BlockCache(h_attn, qkv, q, k, v, attn_saved, ffn_saved, h_ffn, gate_up, act, None))
+            # the step's residual add with the next norm: the next block's input and its normalised copy
+            (x, h_attn), caches[-1].out_saved = f.add_rmsnorm.forward(x_mid, ffn_out, self.next_norms[i], eps=eps)
+        return h_attn, caches, first_saved
 
     def _upload_ids(self, inputs):
         ids = self._check_inputs(inputs)
         return ids, self.backend.asarray(ids.reshape(-1))
 
+    @_computing
     def forward(self, inputs) -> np.ndarray:
         """inputs int (B, T) -> logits float (B, T, vocab_size) from head 0, as a host array."""
         ids, ids_dev = self._upload_ids(inputs)
@@ -243,22 +287,22 @@ class Model:
                 dh_final, _ = f.add.forward(dh_final, dh_j)
         return losses, dh_final
 
+    @_computing
     def _forward_backward(self, ids, head_targets, weights, B: int, T: int) -> list:
         """Forward, then the gradient of sum(weights * per-row losses) of every head into
         `grad_flat`; all arguments on the backend. Returns the losses per head (backend (N,) each).
 
         Only backend work, no host copy: a backend with graphs captures it as it stands.
         """
-        h_final, caches, (x_final, rstd_final) = self._forward(ids, B, T)
+        h_final, caches, first_saved = self._forward(ids, B, T)
         losses, dh_final = self._heads(h_final, head_targets, range(self.cfg.n_mtp), weights)
-        dx, dnorm = self.ops.rmsnorm.backward(dh_final, (rstd_final,), x_final, self.weights["norm"], eps=self.cfg.norm_eps)
-        self.backend.copy_(self.grads["norm"], dnorm)
-        self._backward_blocks(dx, caches, ids, B, T)
+        self._backward_blocks(dh_final, caches, first_saved, ids, B, T)
         return losses
 
     def _host_losses(self, losses: list) -> np.ndarray:
         return np.stack([np.asarray(self.backend.to_host(l), dtype=np.float64) for l in losses])
 
+    @_computing
     def head_losses(self, inputs, targets) -> np.ndarray:
         """Each head's mean cross-entropy over its valid targets, (K,) float64 (NaN for a head with
         none); head 0's is the usual next-token loss. No gradients."""
@@ -286,6 +330,7 @@ class Model:
         losses = self._forward_backward(ids_dev, be.asarray(head_targets), be.asarray(weights), *ids.shape)
         return float((weights * self._host_losses(losses)).sum())
 
+    @_computing
     def token_logprobs(self, inputs, targets) -> np.ndarray:
         """log p(targets[b, t] | inputs[b, :t + 1]) from head 0, (B, T) float64; 0 where the target is -1."""
         ids, ids_dev = self._upload_ids(inputs)
@@ -312,36 +357,34 @@ class Model:
         losses = self._forward_backward(ids_dev, be.asarray(head_targets), be.asarray(head_weights), *ids.shape)
         return -self._host_losses(losses[:1])[0].reshape(ids.shape)
 
-    def _backward_blocks(self, dx, caches: list[BlockCache], ids_dev, B: int, T: int) -> None:
-        """Walk the blocks in reverse from dx (N, C), the gradient at the last block's output, to
+    def _backward_blocks(self, dh, caches: list[BlockCache], first_saved: tuple, ids_dev, B: int, T: int) -> None:
+        """Walk the blocks in reverse from dh (N, C), the gradient at the final norm's output, to
         tok_emb, consuming `caches`."""
         cfg, f, be = self.cfg, self.ops, self.backend
         N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
-        for L, G in zip(reversed(self.layers), reversed(self.layer_grads)):
-            c = caches.pop()  # dropped after this block: its activations can be freed
-            # feed-forward step: x_out = x_mid + w_down(swiglu(gate, up)); dx flows to both terms
-            dact, dw_down = f.linear.backward(dx, (), c.act, L.w_down)
-            dgate, dup = f.swiglu.backward(dact, (), c.gate, c.up)
-            dh_gate, dw_gate = f.linear.backward(dgate, (), c.h_ffn, L.w_gate)
-            dh_up, dw_up = f.linear.backward(dup, (), c.h_ffn, L.w_up)
-            dh_ffn, _ = f.add.forward(dh_gate, dh_up)
-            dx_branch, dffn_norm = f.rmsnorm.backward(dh_ffn, (c.rstd_ffn,), c.x_mid, L.ffn_norm, eps=eps)
-            dx, _ = f.add.forward(dx, dx_branch)
-            # attention step: x_mid = x_in + wo(attention(q, k, v))
-            do, dwo = f.linear.backward(dx, (), c.attn_saved[0].reshape(N, H * D), L.wo)
+        dx = None   # the gradient reaching the residual stream past the last block: none
+        for i in reversed(range(cfg.n_layers)):
+            L, G, c = self.layers[i], self.layer_grads[i], caches.pop()  # c is dropped after this block
+            # feed-forward step's residual add and the next norm: dx_mid reaches both x_mid and ffn_out
+            dx_mid, _, dnext_norm = f.add_rmsnorm.backward((dx, dh), c.out_saved, None, None, self.next_norms[i], eps=eps)
+            be.copy_(self.next_norm_grads[i], dnext_norm)
+            dact, dw_down = f.linear.backward(dx_mid, (), c.act, L.w_down)
+            (dgate_up,) = f.swiglu.backward(dact, (), c.gate_up)
+            dh_ffn, dw_gate_up = f.linear.backward(dgate_up, (), c.h_ffn, L.w_gate_up)
+            # attention step's residual add and ffn_norm: dx reaches both the block input and attn_out
+            dx, dattn_out, dffn_norm = f.add_rmsnorm.backward((dx_mid, dh_ffn), c.ffn_saved, None, None, L.ffn_norm, eps=eps)
+            do, dwo = f.linear.backward(dattn_out, (), c.attn_saved[0].reshape(N, H * D), L.wo)
             dq, dk, dv = f.attention.backward(do.reshape(B, T, H, D), c.attn_saved, c.q, c.k, c.v)
-            (dq,) = f.rope.backward(dq, (), c.q, theta=cfg.rope_theta)
-            (dk,) = f.rope.backward(dk, (), c.k, theta=cfg.rope_theta)
-            dh_q, dwq = f.linear.backward(dq.reshape(N, H * D), (), c.h_attn, L.wq)
-            dh_k, dwk = f.linear.backward(dk.reshape(N, KV * D), (), c.h_attn, L.wk)
-            dh_v, dwv = f.linear.backward(dv.reshape(N, KV * D), (), c.h_attn, L.wv)
-            dh_attn, _ = f.add.forward(dh_q, dh_k)
-            dh_attn, _ = f.add.forward(dh_attn, dh_v)
-            dx_branch, dattn_norm = f.rmsnorm.backward(dh_attn, (c.rstd_attn,), c.x_in, L.attn_norm, eps=eps)
-            dx, _ = f.add.forward(dx, dx_branch)
-            for name, grad in (("w_down", dw_down), ("w_gate", dw_gate), ("w_up", dw_up), ("ffn_norm", dffn_norm),
-                               ("wo", dwo), ("wq", dwq), ("wk", dwk), ("wv", dwv), ("attn_norm", dattn_norm)):
+            (dqkv,) = f.qkv_rope.backward((dq, dk, dv), (), c.qkv, n_heads=H, n_kv_heads=KV, theta=cfg.rope_theta)
+            dh, dwqkv = f.linear.backward(dqkv.reshape(N, (H + 2 * KV) * D), (), c.h_attn, L.wqkv)
+            for name, grad in (("w_down", dw_down), ("w_gate_up", dw_gate_up), ("ffn_norm", dffn_norm), ("wo", dwo),
+                               ("wqkv", dwqkv)):
                 be.copy_(getattr(G, name), grad)
+        # dh is now the gradient at the first norm's output: through it, and the stream, to the embedding
+        x_emb, rstd = first_saved
+        dx_norm, dattn_norm = f.rmsnorm.backward(dh, (rstd,), x_emb, self.layers[0].attn_norm, eps=eps)
+        be.copy_(self.layer_grads[0].attn_norm, dattn_norm)
+        dx, _ = f.add.forward(dx, dx_norm)
         _, dtok = f.embedding.backward(dx, (), ids_dev, self.weights["tok_emb"])
         be.copy_(self.grads["tok_emb"], dtok)
 
@@ -364,8 +407,10 @@ class Model:
         write_json(run_dir / "config.json", config)
 
     @classmethod
-    def load(cls, run_dir, backend: str = "cpu") -> "Model":
-        """The model saved in `run_dir`; CheckpointError if files are missing, corrupt or mismatched."""
+    def load(cls, run_dir, backend: str = "cpu", precision: str | None = None) -> "Model":
+        """The model saved in `run_dir` (float32 files, whatever precision trained them), to run in
+        `precision` (the backend's default if None); CheckpointError if files are missing, corrupt
+        or mismatched."""
         run_dir = Path(run_dir)
         if not run_dir.is_dir():
             raise CheckpointError(f"run directory {run_dir} does not exist")
@@ -376,7 +421,7 @@ class Model:
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{run_dir / 'config.json'}: invalid model config: {exc}") from None
         tensors, _ = load_tensors(run_dir / "model.safetensors")
-        model = cls(cfg, backend=backend)
+        model = cls(cfg, backend=backend, precision=precision)
         try:
             model.load_params(tensors)
         except ValueError as exc:

@@ -39,11 +39,13 @@ class AdamW:
         self.model.backend.copy_(self.sched, np.array([lr, self.step_count], dtype=self.model.backend.dtype))
 
     def update(self):
-        """Clip and apply the model's gradient buffer (backend work only); returns the norm (1,) on the backend."""
+        """Clip and apply the model's gradient buffer to the master weights, then refresh the copy
+        the model computes with (backend work only); returns the norm (1,) on the backend."""
         model = self.model
         norm, _ = self._adamw(model.flat, model.grad_flat, self.m, self.v, self.sched,
                               beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay,
                               n_decay=model.n_decay, max_grad_norm=self.max_grad_norm)
+        model.refresh_compute_weights()
         return norm
 
     def step(self, lr: float) -> float:

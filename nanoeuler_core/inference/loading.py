@@ -11,13 +11,14 @@ from nanoeuler_core.engine.model import Model
 from nanoeuler_core.text.tokenizer import Tokenizer
 
 
-def load_model(run_dir: Path, backend: str = "cpu"):
-    """The model and tokenizer saved in a run directory, checked to belong together."""
+def load_model(run_dir: Path, backend: str = "cpu", precision: str | None = None):
+    """The model and tokenizer saved in a run directory, checked to belong together; the model
+    runs in `precision` (the backend's default if None)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist")
     checkpoint.recover(run_dir, checkpoint.CHECKPOINT_FILES)
-    model = Model.load(run_dir, backend=backend)
+    model = Model.load(run_dir, backend=backend, precision=precision)
     tok = Tokenizer.load(run_dir / "tokenizer.json")
     check_tokenizer(tok, model.cfg, run_dir)
     return model, tok

@@ -50,7 +50,8 @@ class TrainConfig:
     eval_batches: int = 8
     ckpt_every: int = 500
     val_fraction: float = 0.1
-    tf32: bool = True                   # CUDA: TF32 tensor-core matrix products (no effect on the CPU)
+    precision: str | None = None        # fp32, tf32 or bf16 (SPEC.md section 7); default: the backend's
+                                        # (bf16 on a CUDA GPU with tensor cores, fp32 on the CPU)
     eager: bool = False                 # launch every kernel from Python instead of replaying a captured step
 
     def __post_init__(self) -> None:
@@ -70,8 +71,15 @@ class TrainConfig:
         if self.seed < 0:
             raise ValueError(f"--seed must be non-negative, got {self.seed}")
 
+    def resolve_precision(self) -> None:
+        """Fix `precision` to what the backend runs (its default if unset); ValueError if it cannot."""
+        backend = usable_backend(self.backend)
+        self.precision = backend.check_precision(self.precision or backend.default_precision)
+
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
+        if "tf32" in d and "precision" not in d:   # runs written before precisions had names
+            d = {**d, "precision": "tf32" if d["tf32"] and d.get("backend") == "cuda" else "fp32"}
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -121,15 +129,14 @@ def _data(run_dir: Path, tc: TrainConfig, tok, ctx_len: int) -> tuple[BatchLoade
 
 
 def make_optimizer(model: Model, tc: TrainConfig) -> AdamW:
-    """The AdamW of a run with settings `tc`; also sets the backend's matrix-product precision from them."""
-    model.backend.matmul_precision = "high" if tc.tf32 else "highest"
+    """The AdamW of a run with settings `tc`."""
     return AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay, max_grad_norm=tc.grad_clip)
 
 
 def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print) -> Run:
     """A fresh run in `run_dir` (which must not already hold one)."""
     run_dir = Path(run_dir)
-    usable_backend(tc.backend)  # before minutes of tokenizer training
+    tc.resolve_precision()  # the backend and precision are checked before minutes of tokenizer training
     if (run_dir / "config.json").exists():
         raise ValueError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or choose another --out")
     corpus = Path(tc.corpus) if tc.corpus else default_corpus()
@@ -138,7 +145,7 @@ def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print
     tok = _tokenizer(tc, corpus, PRESETS[tc.preset]["vocab_size"], log)
     cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size)
     train, val, unigram = _data(run_dir, tc, tok, cfg.ctx_len)
-    model = Model(cfg, backend=tc.backend, seed=tc.seed)
+    model = Model(cfg, backend=tc.backend, seed=tc.seed, precision=tc.precision)
     optimizer = make_optimizer(model, tc)
     run_dir.mkdir(parents=True, exist_ok=True)
     tok.save(run_dir / "tokenizer.json")
@@ -157,8 +164,15 @@ def resume_run(run_dir: Path, overrides: dict, log: Callable[[str], None] = prin
     if stage:
         raise ValueError(f"{run_dir} is a {stage} run, not a pretraining run: fine-tune further with "
                          f"`nanoeuler-run {stage} --base {run_dir}`")
-    tc = TrainConfig.from_dict({**saved.get("training", {}), **overrides})
-    model, tok = load_model(run_dir, tc.backend)
+    training = saved.get("training", {})
+    overrides = dict(overrides)
+    if overrides.get("precision") is None:   # the run's own precision, or on another backend that one's default
+        overrides.pop("precision", None)
+        if overrides.get("backend", training.get("backend")) != training.get("backend"):
+            overrides["precision"] = None
+    tc = TrainConfig.from_dict({**training, **overrides})
+    tc.resolve_precision()
+    model, tok = load_model(run_dir, tc.backend, tc.precision)
     optimizer = make_optimizer(model, tc)
     if (run_dir / "optimizer.safetensors").exists():
         tensors, meta = checkpoint.load_tensors(run_dir / "optimizer.safetensors")

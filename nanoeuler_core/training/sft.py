@@ -165,7 +165,7 @@ def new_run_from(base_dir: Path, out_dir: Path, tc: TrainConfig, stage: dict, lo
         raise ValueError(f"{out_dir} already holds a run: choose another --out")
     if out_dir.resolve() == base_dir.resolve():
         raise ValueError("--out must differ from --base: fine-tuning writes a new run directory")
-    model, tok = load_model(base_dir, tc.backend)
+    model, tok = load_model(base_dir, tc.backend, tc.precision)
     log(f"base {base_dir}: {model.cfg.n_params():,} parameters, context {model.cfg.ctx_len} tokens")
     optimizer = make_optimizer(model, tc)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +183,9 @@ def fine_tune_config(base_dir: Path, **settings) -> TrainConfig:
         raise checkpoint.CheckpointError(f"base run {base_dir} not found: pass --base a run directory "
                                          f"written by pretrain, sft or dpo")
     preset = checkpoint.read_json(base_dir / "config.json").get("training", {}).get("preset")
-    return TrainConfig(preset=preset if preset in PRESETS else "small", **settings)
+    tc = TrainConfig(preset=preset if preset in PRESETS else "small", **settings)
+    tc.resolve_precision()
+    return tc
 
 
 def start_sft(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print

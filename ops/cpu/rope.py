@@ -9,7 +9,7 @@ from nanoeuler_ops.rope import cos_sin
 
 
 @njit(parallel=True, cache=True)
-def _rotate(x, cos, sin, y):
+def rotate_into(x, cos, sin, y):
     # x (B, T, H, D), cos, sin (T, D/2) -> y (B, T, H, D); the backward passes -sin
     B, T, H, D = x.shape
     half = D // 2
@@ -23,7 +23,7 @@ def _rotate(x, cos, sin, y):
 
 
 @lru_cache(maxsize=32)
-def _tables(T, D, theta, start_pos):
+def tables(T, D, theta, start_pos):
     """float32 cos, sin and -sin (T, D/2), read-only: a training step reuses them in every layer,
     forward and backward, and building them costs more than the rotation itself."""
     cos, sin = cos_sin(T, D, theta, start_pos)
@@ -34,14 +34,14 @@ def _tables(T, D, theta, start_pos):
 
 
 def forward(x, *, theta, start_pos=0):
-    cos, sin, _ = _tables(x.shape[1], x.shape[3], float(theta), int(start_pos))
+    cos, sin, _ = tables(x.shape[1], x.shape[3], float(theta), int(start_pos))
     y = np.empty(x.shape, dtype=x.dtype)
-    _rotate(x, cos, sin, y)
+    rotate_into(x, cos, sin, y)
     return y, ()
 
 
 def backward(dy, saved, x, *, theta, start_pos=0):
-    cos, _, neg_sin = _tables(x.shape[1], x.shape[3], float(theta), int(start_pos))
+    cos, _, neg_sin = tables(x.shape[1], x.shape[3], float(theta), int(start_pos))
     dx = np.empty(dy.shape, dtype=dy.dtype)
-    _rotate(dy, cos, neg_sin, dx)
+    rotate_into(dy, cos, neg_sin, dx)
     return (dx,)

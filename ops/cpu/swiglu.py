@@ -4,6 +4,7 @@ import numpy as np
 from numba import njit, prange
 
 from nanoeuler_ops.cpu.common import exp32
+from nanoeuler_ops.swiglu import check_shape
 
 
 @njit(inline="always")
@@ -14,31 +15,35 @@ def _sigmoid(z):
 
 
 @njit(parallel=True, cache=True)
-def _forward(gate, up, y):
-    # gate, up, y (N*F,): flattened, so the threads share the work evenly whatever N is
-    for i in prange(y.shape[0]):
-        g = gate[i]
-        y[i] = g * _sigmoid(g) * up[i]
+def _forward(x, y):
+    # x (N, 2F) -> y (N, F)
+    N, F = y.shape
+    for n in prange(N):
+        for j in range(F):
+            g = x[n, j]
+            y[n, j] = g * _sigmoid(g) * x[n, F + j]
 
 
 @njit(parallel=True, cache=True)
-def _backward(dy, gate, up, dgate, dup):
-    # dy, gate, up -> dgate, dup, all (N*F,)
-    for i in prange(dy.shape[0]):
-        g = gate[i]
-        s = _sigmoid(g)
-        dgate[i] = dy[i] * up[i] * s * (np.float32(1.0) + g * (np.float32(1.0) - s))
-        dup[i] = dy[i] * g * s
+def _backward(dy, x, dx):
+    # dy (N, F), x (N, 2F) -> dx (N, 2F)
+    N, F = dy.shape
+    for n in prange(N):
+        for j in range(F):
+            g = x[n, j]
+            s = _sigmoid(g)
+            dx[n, j] = dy[n, j] * x[n, F + j] * s * (np.float32(1.0) + g * (np.float32(1.0) - s))
+            dx[n, F + j] = dy[n, j] * g * s
 
 
-def forward(gate, up):
-    y = np.empty(gate.shape, dtype=gate.dtype)
-    _forward(gate.reshape(-1), up.reshape(-1), y.reshape(-1))
+def forward(x):
+    check_shape(x)
+    y = np.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    _forward(x, y)
     return y, ()
 
 
-def backward(dy, saved, gate, up):
-    dgate = np.empty(gate.shape, dtype=gate.dtype)
-    dup = np.empty(up.shape, dtype=up.dtype)
-    _backward(dy.reshape(-1), gate.reshape(-1), up.reshape(-1), dgate.reshape(-1), dup.reshape(-1))
-    return dgate, dup
+def backward(dy, saved, x):
+    dx = np.empty(x.shape, dtype=x.dtype)
+    _backward(dy, x, dx)
+    return (dx,)

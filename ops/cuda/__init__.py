@@ -1,14 +1,18 @@
-"""The CUDA backend: float32 Numba device arrays, every op as `@cuda.jit` kernels (one module
-per op, named as in `cpu/`), matrix products through cuBLAS.
+"""The CUDA backend: float32 (and bfloat16-storage) Numba device arrays, every op as `@cuda.jit`
+kernels (one module per op, named as in `cpu/`), matrix products through cuBLAS.
 
 Importing this package stays cheap (the registry imports it on every start): numba.cuda is
 imported only when a backend method runs or an op's kernels are first used. With
 NUMBA_ENABLE_CUDASIM=1 the same kernels run, slowly, on Numba's CUDA simulator.
 """
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from nanoeuler_core.registry import Backend
+
+TENSOR_CORE_CAPABILITY = (8, 0)   # bf16 and TF32 tensor cores (Ampere and newer)
 
 
 class CudaBackend(Backend):
@@ -22,38 +26,64 @@ class CudaBackend(Backend):
             return False
         return cuda.is_available()
 
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        from nanoeuler_ops.cuda import runtime
+        if runtime.SIMULATOR or runtime.compute_capability() >= TENSOR_CORE_CAPABILITY:
+            return ("fp32", "tf32", "bf16")
+        return ("fp32",)
+
+    @property
+    def default_precision(self) -> str:
+        return "bf16" if "bf16" in self.precisions else "fp32"
+
+    def check_precision(self, precision: str) -> str:
+        from nanoeuler_ops.cuda import runtime
+        if precision in ("tf32", "bf16") and precision not in self.precisions:
+            major, minor = runtime.compute_capability()
+            raise ValueError(f"--precision {precision} needs tensor cores of compute capability 8.0 or newer; "
+                             f"this GPU is {major}.{minor}: use --precision fp32")
+        return super().check_precision(precision)
+
+    @contextmanager
+    def matmul_mode(self, precision: str):
+        from nanoeuler_ops.cuda import cublas
+        saved, cublas.ALLOW_TF32 = cublas.ALLOW_TF32, precision == "tf32"
+        try:
+            yield
+        finally:
+            cublas.ALLOW_TF32 = saved
+
     def asarray(self, host, dtype=None):
         from numba import cuda
+
+        from nanoeuler_ops.cuda import runtime
         host = np.asarray(host)
+        if dtype == "bf16":
+            return cuda.to_device(runtime.bf16_bits(host))
         if dtype is None:
             dtype = {"f": self.dtype, "i": np.int64, "u": np.int64}.get(host.dtype.kind, host.dtype)
         return cuda.to_device(np.ascontiguousarray(host, dtype=dtype))
 
     def to_host(self, arr):
-        return arr.copy_to_host()
+        from nanoeuler_ops.cuda import runtime
+        host = arr.copy_to_host()
+        return runtime.bf16_values(host) if host.dtype == runtime.BF16 else host
 
     def zeros(self, shape, dtype=None):
         from nanoeuler_ops.cuda import runtime
-        return runtime.zeros(shape, dtype or self.dtype)
+        return runtime.zeros(shape, runtime.BF16 if dtype == "bf16" else dtype or self.dtype)
 
     def copy_(self, dst, src) -> None:
         from nanoeuler_ops.cuda import runtime
         if not isinstance(src, np.ndarray):
-            runtime.copy(dst, src)  # device to device: a kernel on the current stream, so it can be captured
+            runtime.copy(dst, src)  # device to device (casting between storages): a kernel on the current stream
+        elif dst.dtype == runtime.BF16:
+            dst.copy_to_device(runtime.bf16_bits(src))
         elif runtime.capturing():
             raise RuntimeError("host data cannot be copied inside a captured CUDA graph; copy it before replaying")
         else:
             dst.copy_to_device(np.ascontiguousarray(src, dtype=dst.dtype))
-
-    @property
-    def matmul_precision(self) -> str:
-        from nanoeuler_ops.cuda import cublas
-        return "high" if cublas.ALLOW_TF32 else "highest"
-
-    @matmul_precision.setter
-    def matmul_precision(self, value: str) -> None:
-        from nanoeuler_ops.cuda import cublas
-        cublas.ALLOW_TF32 = value == "high"
 
     def capture(self, fn):
         """Run fn() once while recording its buffers, then capture it as a CUDA graph.

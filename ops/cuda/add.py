@@ -1,9 +1,10 @@
-"""Elementwise add on the GPU. See nanoeuler_ops/add.py for the math."""
+"""Elementwise add on the GPU, float32 or bf16 storage (float32 arithmetic). See nanoeuler_ops/add.py."""
 
 from numba import cuda
 
 from nanoeuler_ops.add import check_same_shape
 from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda.runtime import stored, to_f32
 
 THREADS = 256
 
@@ -13,7 +14,7 @@ def _add(a, b, y):
     # a, b (n,) -> y (n,): the arrays flattened
     i = cuda.grid(1)
     if i < y.shape[0]:
-        y[i] = a[i] + b[i]
+        y[i] = stored(y, to_f32(a[i]) + to_f32(b[i]))
 
 
 def forward(a, b):

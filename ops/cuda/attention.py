@@ -24,10 +24,12 @@ are unrolled), so each D gets its own kernels.
 import math
 from functools import cache
 
-from numba import cuda, float32, int64, uint64
+import numpy as np
+from numba import cuda, float32, int64, uint32, uint64
 
 from nanoeuler_ops.attention import check_shapes
 from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda.runtime import stored, to_f32
 
 # TILE query rows x TILE keys per step; thread (ty, tx) owns the row quads ty + TILE_NY*n
 # (a quad = 4 neighbouring rows), and the columns tx + TILE_NX*n of a score tile or the column
@@ -155,7 +157,7 @@ def _kernels(D: int):
             i = uint64(tid + n * THREADS)
             r, d = int64(i // uint64(DPB)), int64(i % uint64(DPB))
             row = row0 + r
-            value = x[uint64(b), uint64(min(row, n_rows - 1)), uint64(head), uint64(min(d, D - 1))]
+            value = to_f32(x[uint64(b), uint64(min(row, n_rows - 1)), uint64(head), uint64(min(d, D - 1))])
             values[n] = value * scale if row < n_rows and d < D else float32(0.0)
 
     @cuda.jit(device=True, inline=True)
@@ -249,7 +251,7 @@ def _kernels(D: int):
             for j in range(dj):
                 d = _quad_index(tx, TILE_NX, j)
                 if t < T and d < D:
-                    o[b, t, h, d] = acc[i, j] * inv_sum
+                    o[b, t, h, d] = stored(o, acc[i, j] * inv_sum)
 
     # dq shared buffer (offsets in floats): q^T, do^T (DPB x TW, staged once), k, v (TILE x DW), dS^T (TILE x TW)
     DQ_QT, DQ_DOT = 0, DPB * TW
@@ -338,7 +340,7 @@ def _kernels(D: int):
             for j in range(dj):
                 d = _quad_index(tx, TILE_NX, j)
                 if t < T and d < D:
-                    dq[b, t, h, d] = acc[i, j] * scale
+                    dq[b, t, h, d] = stored(dq, acc[i, j] * scale)
 
     # dkdv shared buffer: k^T, v^T (DPB x TW, staged once), then per query tile q, do (TILE x DW),
     # P, dS (TILE query rows x TW keys), lse, di
@@ -440,21 +442,33 @@ def _kernels(D: int):
             for j in range(dj):
                 d = _quad_index(tx, TILE_NX, j)
                 if s < S and d < D:
-                    dk[b, s, kv, d] = dk_acc[i, j]
-                    dv[b, s, kv, d] = dv_acc[i, j]
+                    dk[b, s, kv, d] = stored(dk, dk_acc[i, j])
+                    dv[b, s, kv, d] = stored(dv, dv_acc[i, j])
 
     return (forward_kernel, forward_shared_bytes), (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes)
+
+
+def _words(x):
+    """A bf16 array as one flat run of uint32 words, each two neighbouring elements of its last axis."""
+    return x.reshape(x.size).view(np.uint32)
 
 
 def forward(q, k, v):
     check_shapes(q, k, v)
     B, T, H, D = q.shape
-    kernel, shared_bytes = _kernels(D)[0]
     o = runtime.empty(q.shape, q.dtype)
-    lse = runtime.empty((B, H, T), q.dtype)
+    lse = runtime.empty((B, H, T), np.float32)
+    scale = float32(1.0 / math.sqrt(D))
     # The tile index is the grid's slow dimension: the blocks with the most keys start first
-    _launch_with_shared(kernel, (B * H, runtime.blocks_for(T, TILE)), THREADS, shared_bytes,
-                        q, k, v, float32(1.0 / math.sqrt(D)), o, lse)
+    if mma_supported(q):
+        S, KV = k.shape[1], k.shape[2]
+        kernel, shared_bytes = _mma_kernels(D)[0]
+        _launch_with_shared(kernel, (B * H, runtime.blocks_for(T, MMA_ROWS)), MMA_THREADS, shared_bytes,
+                            _words(q), _words(k), _words(v), T, S, H, KV, scale, _words(o), lse)
+    else:
+        kernel, shared_bytes = _kernels(D)[0]
+        _launch_with_shared(kernel, (B * H, runtime.blocks_for(T, TILE)), THREADS, shared_bytes,
+                            q, k, v, scale, o, lse)
     return o, (o, lse)
 
 
@@ -482,16 +496,422 @@ def backward(do, saved, q, k, v):
     o, lse = saved
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
-    _, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes) = _kernels(D)
     scale = float32(1.0 / math.sqrt(D))
-    di = runtime.empty((B, H, T), q.dtype)
+    di = runtime.empty((B, H, T), np.float32)
     dq = runtime.empty(q.shape, q.dtype)
     dk = runtime.empty(k.shape, k.dtype)
     dv = runtime.empty(v.shape, v.dtype)
     # As in the forward: blocks start roughly in index order, so those with the most causal steps
     # start first and the grid ends on short ones
+    if mma_supported(q):
+        _, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes) = _mma_kernels(D)
+        _launch_with_shared(dq_kernel, (B * H, runtime.blocks_for(T, MMA_ROWS)), MMA_THREADS, dq_shared_bytes,
+                            _words(do), _words(q), _words(k), _words(v), _words(o), lse, T, S, H, KV, scale,
+                            _words(dq), di)
+        _launch_with_shared(dkdv_kernel, (B * KV, runtime.blocks_for(S, MMA_ROWS)), MMA_THREADS, dkdv_shared_bytes,
+                            _words(do), _words(q), _words(k), _words(v), lse, di, T, S, H, KV, scale,
+                            _words(dk), _words(dv))
+        return dq, dk, dv
+    _, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes) = _kernels(D)
     _launch_with_shared(dq_kernel, (B * H, runtime.blocks_for(T, TILE)), THREADS, dq_shared_bytes,
                         do, q, k, v, o, lse, scale, dq, di)
     _launch_with_shared(dkdv_kernel, (B * KV, runtime.blocks_for(S, TILE)), THREADS, dkdv_shared_bytes,
                         do, q, k, v, lse, di, scale, dk, dv)
     return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# bf16 on the tensor cores (FlashAttention-2 with mma.sync m16n8k16; see runtime's fragment layout)
+#
+# A block is 4 warps; each warp owns 16 rows of a 64-row tile (query rows in the forward and in
+# _mma_dq, keys in _mma_dkdv) and streams 64-column tiles of the other side through shared memory.
+# The row side's operands (q and do, or k and v) stay in registers as A fragments for the whole
+# kernel; a product's float32 accumulators become the next product's A fragments in registers
+# (P for P V, dS for dS K): the FlashAttention-2 register reuse, no shared-memory round trip.
+# Tensors travel as uint32 words of two neighbouring bf16 along the head dim (a view of the bf16
+# array). Streamed tiles are stored in shared memory either row by row (rows of words: a B operand
+# over the head dims) or transposed (rows of head dims, words of two neighbouring rows: a B operand
+# over the rows), rows padded to 36 words so that a warp's fragment loads hit 32 distinct banks.
+
+MMA_ROWS = 64                      # rows of a block's tile and columns of a streamed tile
+MMA_WARPS = MMA_ROWS // 16
+MMA_THREADS = MMA_WARPS * runtime.WARP
+MMA_PAD = 4                        # words of padding per shared row
+
+
+def mma_supported(q) -> bool:
+    """Whether the tensor-core kernels serve these inputs: bf16 storage, head size a multiple of 16."""
+    return q.dtype == runtime.BF16 and q.shape[3] % 16 == 0
+
+
+@cache
+def _mma_kernels(D: int):
+    """The bf16 tensor-core forward, dq and dk/dv kernels for head size D, each with the dynamic
+    shared memory (bytes) it takes."""
+    from nanoeuler_ops.cuda.runtime import bf16x2_values, mma_bf16, pack_bf16x2, quad_max, quad_sum
+
+    W = D // 2                     # words per row of a tile over the head dims
+    WS = W + MMA_PAD               # its shared row stride (words)
+    NT = MMA_ROWS // 2 + MMA_PAD   # shared row stride of a transposed tile (words of two rows)
+    ROWS_TILE = MMA_ROWS * WS      # words of a tile stored row by row
+    T_TILE = D * NT                # words of a tile stored transposed
+    KD = D // 16                   # k-steps of a product over the head dims
+    ND = D // 8                    # n-tiles of an output over the head dims
+    NR = MMA_ROWS // 8             # n-tiles of a score tile (8 columns each)
+    KR = MMA_ROWS // 16            # k-steps of a product over a tile's 64 rows
+    PAIRS = MMA_ROWS // 2 * W // MMA_THREADS   # word pairs (same word of two neighbouring rows) a thread fetches per tile
+    u32, f32, u64 = uint32, float32, uint64
+
+    # Tensors arrive flat: word w of row `row` of head `head` in batch b sits at
+    # ((b * n_rows + row) * heads + head) * W + w. Loads read a clamped, in-bounds word and drop it
+    # past the last row, so no branch separates them and all of a tile's loads are in flight at once;
+    # unsigned indices skip the negative-index wraparound.
+    # Streamed tiles live in two stages of one dynamic shared buffer `sh`: while a step multiplies
+    # the tiles of one stage, the next tiles, already fetched into registers, are stored into the
+    # other (one barrier a step). A tile is addressed as sh[base + index], base the stage's offset.
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_pairs(lo, hi, src, b, row0, n_rows, head, heads, tid):
+        # lo[n], hi[n] = word w of rows row0 + 2j and row0 + 2j + 1, for item tid + 128 n = j W + w
+        base = u64((b * n_rows) * heads + head) * u64(W)
+        stride = u64(heads * W)
+        last = u64(n_rows - 1)
+        for n in range(PAIRS):
+            i = u64(tid + n * MMA_THREADS)
+            j, w = i // u64(W), i % u64(W)
+            row = u64(row0) + u64(2) * j
+            a = src[base + min(row, last) * stride + w]
+            c = src[base + min(row + u64(1), last) * stride + w]
+            lo[n] = a if row <= last else u32(0)
+            hi[n] = c if row + u64(1) <= last else u32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def put_rows(sh, base, lo, hi, tid):
+        # the fetched pairs row by row: word w of row r at sh[base + r WS + w]
+        for n in range(PAIRS):
+            i = u64(tid + n * MMA_THREADS)
+            j, w = i // u64(W), i % u64(W)
+            sh[base + u64(2 * WS) * j + w] = lo[n]
+            sh[base + u64(2 * WS) * j + u64(WS) + w] = hi[n]
+
+    @cuda.jit(device=True, inline=True)
+    def put_transposed(sh, base, lo, hi, tid):
+        # the fetched pairs transposed: the bf16 of rows 2j and 2j + 1 at head dim d in sh[base + d NT + j]
+        for n in range(PAIRS):
+            i = u64(tid + n * MMA_THREADS)
+            j, w = i // u64(W), i % u64(W)
+            sh[base + u64(2 * NT) * w + j] = (lo[n] & u32(0xFFFF)) | (hi[n] << u32(16))
+            sh[base + u64(2 * NT) * w + u64(NT) + j] = (lo[n] >> u32(16)) | (hi[n] & u32(0xFFFF0000))
+
+    @cuda.jit(device=True, inline=True)
+    def load_fragments(frag, src, b, r0, n_rows, head, heads, g, t):
+        # the A fragments of rows r0 + g and r0 + g + 8 over the head dims, straight from global memory
+        base = u64((b * n_rows) * heads + head) * u64(W)
+        stride = u64(heads * W)
+        last = u64(n_rows - 1)
+        ra, rb = u64(r0 + g), u64(r0 + g + 8)
+        for kc in range(KD):
+            for half in range(2):
+                w = u64(8 * kc + t + 4 * half)
+                a = src[base + min(ra, last) * stride + w]
+                c = src[base + min(rb, last) * stride + w]
+                frag[kc, 2 * half] = a if ra <= last else u32(0)
+                frag[kc, 2 * half + 1] = c if rb <= last else u32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def store_rows(dst, acc, scale, b, r0, n_rows, head, heads, g, t):
+        # words 4 dn + t of rows r0 + g and r0 + g + 8 = the bf16 pairs of acc * scale
+        base = u64((b * n_rows) * heads + head) * u64(W)
+        stride = u64(heads * W)
+        ra, rb = r0 + g, r0 + g + 8
+        for dn in range(ND):
+            w = u64(4 * dn + t)
+            if ra < n_rows:
+                dst[base + u64(ra) * stride + w] = pack_bf16x2(acc[dn, 0] * scale, acc[dn, 1] * scale)
+            if rb < n_rows:
+                dst[base + u64(rb) * stride + w] = pack_bf16x2(acc[dn, 2] * scale, acc[dn, 3] * scale)
+
+    @cuda.jit(device=True, inline=True)
+    def zero(acc):
+        for i in range(acc.shape[0]):
+            for j in range(4):
+                acc[i, j] = f32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def product_over_dims(acc, frag, sh, base, g, t):
+        # acc[n] += (A = the warp's 16 rows over D) x (B = tile rows 8n .. 8n+7, stored row by row)^T
+        lane_base = base + u64(g * WS + t)
+        for n in range(NR):
+            for kc in range(KD):
+                b0 = sh[lane_base + u64(8 * n * WS + 8 * kc)]
+                b1 = sh[lane_base + u64(8 * n * WS + 8 * kc + 4)]
+                c = mma_bf16(frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3], b0, b1,
+                             acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
+                acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3] = c[0], c[1], c[2], c[3]
+
+    @cuda.jit(device=True, inline=True)
+    def product_over_rows(acc, scores, sh, base, g, t):
+        # acc[dn] += (A = scores, 16 x 64 float32 accumulators, rounded to bf16) x (B = the streamed tile's
+        # 64 rows over head dims 8dn .. 8dn+7, stored transposed)
+        lane_base = base + u64(g * NT + t)
+        for kc in range(KR):
+            a0 = pack_bf16x2(scores[2 * kc, 0], scores[2 * kc, 1])
+            a1 = pack_bf16x2(scores[2 * kc, 2], scores[2 * kc, 3])
+            a2 = pack_bf16x2(scores[2 * kc + 1, 0], scores[2 * kc + 1, 1])
+            a3 = pack_bf16x2(scores[2 * kc + 1, 2], scores[2 * kc + 1, 3])
+            for dn in range(ND):
+                b0 = sh[lane_base + u64(8 * dn * NT + 8 * kc)]
+                b1 = sh[lane_base + u64(8 * dn * NT + 8 * kc + 4)]
+                c = mma_bf16(a0, a1, a2, a3, b0, b1, acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3])
+                acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3] = c[0], c[1], c[2], c[3]
+
+    # forward stage: k (rows), v (transposed)
+    FWD_STAGE = ROWS_TILE + T_TILE
+
+    @cuda.jit(fastmath=True)
+    def forward(q, k, v, T, S, H, KV, scale, o, lse):
+        # q, o (B*T*H*D/2,) and k, v (B*S*KV*D/2,) words of bf16 pairs, lse (B, H, T) float32;
+        # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step
+        b, h = cuda.blockIdx.x // H, cuda.blockIdx.x % H
+        kv = h // (H // KV)
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * MMA_ROWS   # the last rows, with the most keys, start first
+        r0 = t0 + 16 * warp
+        sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
+        q_frag = cuda.local.array((KD, 4), uint32)
+        scores = cuda.local.array((NR, 4), float32)
+        acc = cuda.local.array((ND, 4), float32)
+        k_lo = cuda.local.array(PAIRS, uint32)
+        k_hi = cuda.local.array(PAIRS, uint32)
+        v_lo = cuda.local.array(PAIRS, uint32)
+        v_hi = cuda.local.array(PAIRS, uint32)
+        load_fragments(q_frag, q, b, r0, T, h, H, g, t)
+        fetch_pairs(k_lo, k_hi, k, b, 0, S, kv, KV, tid)
+        fetch_pairs(v_lo, v_hi, v, b, 0, S, kv, KV, tid)
+        put_rows(sh, u64(0), k_lo, k_hi, tid)
+        put_transposed(sh, u64(ROWS_TILE), v_lo, v_hi, tid)
+        zero(acc)
+        top_a, top_b = f32(MASKED), f32(MASKED)     # running max of rows g and g + 8 (scaled scores)
+        sum_a, sum_b = f32(0.0), f32(0.0)           # this lane's share of their running sums
+        last_a, last_b = (S - T) + r0 + g, (S - T) + r0 + g + 8   # the last key each row sees
+        keys_end = min(S, (S - T) + t0 + MMA_ROWS)
+        for s0 in range(0, keys_end, MMA_ROWS):
+            stage = u64((s0 // MMA_ROWS) % 2 * FWD_STAGE)
+            cuda.syncthreads()   # this stage is stored; the other one is read
+            has_next = s0 + MMA_ROWS < keys_end
+            if has_next:
+                fetch_pairs(k_lo, k_hi, k, b, s0 + MMA_ROWS, S, kv, KV, tid)
+                fetch_pairs(v_lo, v_hi, v, b, s0 + MMA_ROWS, S, kv, KV, tid)
+            zero(scores)
+            product_over_dims(scores, q_frag, sh, stage, g, t)
+            tile_a, tile_b = f32(MASKED), f32(MASKED)
+            for n in range(NR):
+                for c in range(2):
+                    key = s0 + 8 * n + 2 * t + c
+                    scores[n, c] = scores[n, c] * scale if key <= last_a and key < S else f32(MASKED)
+                    scores[n, c + 2] = scores[n, c + 2] * scale if key <= last_b and key < S else f32(MASKED)
+                    tile_a = max(tile_a, scores[n, c])
+                    tile_b = max(tile_b, scores[n, c + 2])
+            new_a, new_b = max(top_a, quad_max(tile_a)), max(top_b, quad_max(tile_b))
+            rescale_a, rescale_b = math.exp(top_a - new_a), math.exp(top_b - new_b)
+            top_a, top_b = new_a, new_b
+            sum_a *= rescale_a
+            sum_b *= rescale_b
+            for dn in range(ND):
+                acc[dn, 0] *= rescale_a
+                acc[dn, 1] *= rescale_a
+                acc[dn, 2] *= rescale_b
+                acc[dn, 3] *= rescale_b
+            for n in range(NR):
+                for c in range(2):
+                    scores[n, c] = math.exp(scores[n, c] - top_a)
+                    scores[n, c + 2] = math.exp(scores[n, c + 2] - top_b)
+                    sum_a += scores[n, c]
+                    sum_b += scores[n, c + 2]
+            product_over_rows(acc, scores, sh, stage + u64(ROWS_TILE), g, t)
+            if has_next:
+                other = u64(FWD_STAGE) - stage
+                put_rows(sh, other, k_lo, k_hi, tid)
+                put_transposed(sh, other + u64(ROWS_TILE), v_lo, v_hi, tid)
+        sum_a, sum_b = quad_sum(sum_a), quad_sum(sum_b)
+        if t == 0:
+            if r0 + g < T:
+                lse[b, h, r0 + g] = top_a + math.log(sum_a)
+            if r0 + g + 8 < T:
+                lse[b, h, r0 + g + 8] = top_b + math.log(sum_b)
+        for dn in range(ND):
+            acc[dn, 0] /= sum_a
+            acc[dn, 1] /= sum_a
+            acc[dn, 2] /= sum_b
+            acc[dn, 3] /= sum_b
+        store_rows(o, acc, f32(1.0), b, r0, T, h, H, g, t)
+
+    # dq stage: k (rows), v (rows), k (transposed)
+    DQ_STAGE = 2 * ROWS_TILE + T_TILE
+
+    @cuda.jit(fastmath=True)
+    def dq_kernel(do, q, k, v, o, lse, T, S, H, KV, scale, dq, di):
+        # do, q, o, dq (B*T*H*D/2,) and k, v (B*S*KV*D/2,) words of bf16 pairs, lse, di (B, H, T) float32;
+        # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step.
+        # Di = rowsum(do * o), the FlashAttention-2 backward's correction, is written for the dk/dv kernel.
+        b, h = cuda.blockIdx.x // H, cuda.blockIdx.x % H
+        kv = h // (H // KV)
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * MMA_ROWS
+        r0 = t0 + 16 * warp
+        sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
+        q_frag = cuda.local.array((KD, 4), uint32)
+        do_frag = cuda.local.array((KD, 4), uint32)
+        scores = cuda.local.array((NR, 4), float32)
+        dp = cuda.local.array((NR, 4), float32)
+        acc = cuda.local.array((ND, 4), float32)
+        k_lo = cuda.local.array(PAIRS, uint32)
+        k_hi = cuda.local.array(PAIRS, uint32)
+        v_lo = cuda.local.array(PAIRS, uint32)
+        v_hi = cuda.local.array(PAIRS, uint32)
+        fetch_pairs(k_lo, k_hi, k, b, 0, S, kv, KV, tid)
+        fetch_pairs(v_lo, v_hi, v, b, 0, S, kv, KV, tid)
+        load_fragments(do_frag, do, b, r0, T, h, H, g, t)
+        load_fragments(q_frag, o, b, r0, T, h, H, g, t)   # o first, for Di; q takes its registers after
+        part_a, part_b = f32(0.0), f32(0.0)
+        for kc in range(KD):
+            for half in range(2):
+                lo_do, hi_do = bf16x2_values(do_frag[kc, 2 * half])
+                lo_o, hi_o = bf16x2_values(q_frag[kc, 2 * half])
+                part_a += lo_do * lo_o + hi_do * hi_o
+                lo_do, hi_do = bf16x2_values(do_frag[kc, 2 * half + 1])
+                lo_o, hi_o = bf16x2_values(q_frag[kc, 2 * half + 1])
+                part_b += lo_do * lo_o + hi_do * hi_o
+        load_fragments(q_frag, q, b, r0, T, h, H, g, t)
+        put_rows(sh, u64(0), k_lo, k_hi, tid)
+        put_rows(sh, u64(ROWS_TILE), v_lo, v_hi, tid)
+        put_transposed(sh, u64(2 * ROWS_TILE), k_lo, k_hi, tid)
+        row_di_a, row_di_b = quad_sum(part_a), quad_sum(part_b)
+        ra, rb = r0 + g, r0 + g + 8
+        if t == 0:
+            if ra < T:
+                di[b, h, ra] = row_di_a
+            if rb < T:
+                di[b, h, rb] = row_di_b
+        row_lse_a = lse[b, h, min(ra, T - 1)]
+        row_lse_b = lse[b, h, min(rb, T - 1)]
+        zero(acc)
+        last_a, last_b = (S - T) + ra, (S - T) + rb
+        keys_end = min(S, (S - T) + t0 + MMA_ROWS)
+        for s0 in range(0, keys_end, MMA_ROWS):
+            stage = u64((s0 // MMA_ROWS) % 2 * DQ_STAGE)
+            cuda.syncthreads()
+            has_next = s0 + MMA_ROWS < keys_end
+            if has_next:
+                fetch_pairs(k_lo, k_hi, k, b, s0 + MMA_ROWS, S, kv, KV, tid)
+                fetch_pairs(v_lo, v_hi, v, b, s0 + MMA_ROWS, S, kv, KV, tid)
+            zero(scores)
+            zero(dp)
+            product_over_dims(scores, q_frag, sh, stage, g, t)
+            product_over_dims(dp, do_frag, sh, stage + u64(ROWS_TILE), g, t)
+            for n in range(NR):
+                for c in range(2):
+                    key = s0 + 8 * n + 2 * t + c
+                    p_a = math.exp(scores[n, c] * scale - row_lse_a) if key <= last_a and key < S else f32(0.0)
+                    p_b = math.exp(scores[n, c + 2] * scale - row_lse_b) if key <= last_b and key < S else f32(0.0)
+                    dp[n, c] = p_a * (dp[n, c] - row_di_a)
+                    dp[n, c + 2] = p_b * (dp[n, c + 2] - row_di_b)
+            product_over_rows(acc, dp, sh, stage + u64(2 * ROWS_TILE), g, t)
+            if has_next:
+                other = u64(DQ_STAGE) - stage
+                put_rows(sh, other, k_lo, k_hi, tid)
+                put_rows(sh, other + u64(ROWS_TILE), v_lo, v_hi, tid)
+                put_transposed(sh, other + u64(2 * ROWS_TILE), k_lo, k_hi, tid)
+        store_rows(dq, acc, scale, b, r0, T, h, H, g, t)
+
+    # dk/dv stage: q (rows), do (rows), q (transposed), do (transposed)
+    KV_STAGE = 2 * ROWS_TILE + 2 * T_TILE
+
+    @cuda.jit(fastmath=True)
+    def dkdv_kernel(do, q, k, v, lse, di, T, S, H, KV, scale, dk, dv):
+        # do, q (B*T*H*D/2,), k, v, dk, dv (B*S*KV*D/2,) words of bf16 pairs, lse, di (B, H, T) float32;
+        # grid (B * KV, S / 64), 128 threads: each warp 16 keys against 64 query rows per step, over
+        # every query head of the group, so the group's gradients add up in registers: no atomics
+        group = H // KV
+        b, kv = cuda.blockIdx.x // KV, cuda.blockIdx.x % KV
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        s0 = cuda.blockIdx.y * MMA_ROWS   # the first keys, seen by the most query rows, start first
+        k0 = s0 + 16 * warp
+        sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
+        row_stats = cuda.shared.array((2, 2, MMA_ROWS), float32)   # per stage: lse and Di of the query rows
+        k_frag = cuda.local.array((KD, 4), uint32)
+        v_frag = cuda.local.array((KD, 4), uint32)
+        scores = cuda.local.array((NR, 4), float32)   # transposed: [key, query row]
+        dp = cuda.local.array((NR, 4), float32)
+        dk_acc = cuda.local.array((ND, 4), float32)
+        dv_acc = cuda.local.array((ND, 4), float32)
+        q_lo = cuda.local.array(PAIRS, uint32)
+        q_hi = cuda.local.array(PAIRS, uint32)
+        do_lo = cuda.local.array(PAIRS, uint32)
+        do_hi = cuda.local.array(PAIRS, uint32)
+        key_a, key_b = k0 + g, k0 + g + 8
+        first_query = max(0, s0 - (S - T))   # earlier queries see none of this block's keys
+        tiles = (T - first_query + MMA_ROWS - 1) // MMA_ROWS
+        h0 = kv * group
+        fetch_pairs(q_lo, q_hi, q, b, first_query, T, h0, H, tid)
+        fetch_pairs(do_lo, do_hi, do, b, first_query, T, h0, H, tid)
+        if tid < MMA_ROWS:
+            row = min(first_query + tid, T - 1)
+            row_stats[0, 0, tid] = lse[b, h0, row]
+            row_stats[0, 1, tid] = di[b, h0, row]
+        load_fragments(k_frag, k, b, k0, S, kv, KV, g, t)
+        load_fragments(v_frag, v, b, k0, S, kv, KV, g, t)
+        put_rows(sh, u64(0), q_lo, q_hi, tid)
+        put_rows(sh, u64(ROWS_TILE), do_lo, do_hi, tid)
+        put_transposed(sh, u64(2 * ROWS_TILE), q_lo, q_hi, tid)
+        put_transposed(sh, u64(2 * ROWS_TILE + T_TILE), do_lo, do_hi, tid)
+        zero(dk_acc)
+        zero(dv_acc)
+        for step in range(group * tiles):
+            t0 = first_query + (step % tiles) * MMA_ROWS
+            parity = step % 2
+            stage = u64(parity * KV_STAGE)
+            cuda.syncthreads()
+            has_next = step + 1 < group * tiles
+            if has_next:
+                h_next = h0 + (step + 1) // tiles
+                t_next = first_query + ((step + 1) % tiles) * MMA_ROWS
+                fetch_pairs(q_lo, q_hi, q, b, t_next, T, h_next, H, tid)
+                fetch_pairs(do_lo, do_hi, do, b, t_next, T, h_next, H, tid)
+                if tid < MMA_ROWS:
+                    row = min(t_next + tid, T - 1)
+                    row_stats[1 - parity, 0, tid] = lse[b, h_next, row]
+                    row_stats[1 - parity, 1, tid] = di[b, h_next, row]
+            zero(scores)
+            zero(dp)
+            product_over_dims(scores, k_frag, sh, stage, g, t)
+            product_over_dims(dp, v_frag, sh, stage + u64(ROWS_TILE), g, t)
+            for n in range(NR):
+                for c in range(2):
+                    col = 8 * n + 2 * t + c
+                    query = t0 + col
+                    row_lse, row_di = row_stats[parity, 0, col], row_stats[parity, 1, col]
+                    seen_a = query < T and key_a <= (S - T) + query and key_a < S
+                    seen_b = query < T and key_b <= (S - T) + query and key_b < S
+                    scores[n, c] = math.exp(scores[n, c] * scale - row_lse) if seen_a else f32(0.0)
+                    scores[n, c + 2] = math.exp(scores[n, c + 2] * scale - row_lse) if seen_b else f32(0.0)
+                    dp[n, c] = scores[n, c] * (dp[n, c] - row_di)
+                    dp[n, c + 2] = scores[n, c + 2] * (dp[n, c + 2] - row_di)
+            product_over_rows(dv_acc, scores, sh, stage + u64(2 * ROWS_TILE + T_TILE), g, t)
+            product_over_rows(dk_acc, dp, sh, stage + u64(2 * ROWS_TILE), g, t)
+            if has_next:
+                other = u64(KV_STAGE) - stage
+                put_rows(sh, other, q_lo, q_hi, tid)
+                put_rows(sh, other + u64(ROWS_TILE), do_lo, do_hi, tid)
+                put_transposed(sh, other + u64(2 * ROWS_TILE), q_lo, q_hi, tid)
+                put_transposed(sh, other + u64(2 * ROWS_TILE + T_TILE), do_lo, do_hi, tid)
+        store_rows(dk, dk_acc, scale, b, k0, S, kv, KV, g, t)
+        store_rows(dv, dv_acc, f32(1.0), b, k0, S, kv, KV, g, t)
+
+    return (forward, 8 * FWD_STAGE), (dq_kernel, 8 * DQ_STAGE), (dkdv_kernel, 8 * KV_STAGE)

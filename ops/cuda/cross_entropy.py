@@ -1,4 +1,5 @@
 """Cross-entropy with the softmax fused in, on the GPU. See nanoeuler_ops/cross_entropy.py.
+Logits (and their gradient) are float32 or bf16 storage; losses and lse are float32.
 
 One warp per row: each lane keeps a running max and a sum of exponentials rescaled to it (an
 online softmax, one pass over the logits), then the warp combines the lanes' pairs by shuffles.
@@ -8,11 +9,12 @@ not checked on the host, and such a row's loss is NaN (and its gradient row zero
 
 import math
 
+import numpy as np
 from numba import cuda, float32
 
 from nanoeuler_ops.cross_entropy import IGNORE, check_targets
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import WARP, warp_max, warp_sum
+from nanoeuler_ops.cuda.runtime import WARP, stored, to_f32, warp_max, warp_sum
 
 ROWS = 8   # rows (warps) per block
 
@@ -27,7 +29,7 @@ def _forward(logits, targets, losses, lse):
     total = float32(0.0)
     if n < N:
         for c in range(lane, V, WARP):
-            z = logits[n, c]
+            z = to_f32(logits[n, c])
             if z > top:
                 total = total * math.exp(top - z) + float32(1.0)
                 top = z
@@ -42,7 +44,7 @@ def _forward(logits, targets, losses, lse):
         if t == IGNORE:
             losses[n] = 0.0
         elif 0 <= t < V:
-            losses[n] = row_lse - logits[n, t]
+            losses[n] = row_lse - to_f32(logits[n, t])
         else:
             losses[n] = math.nan
 
@@ -59,14 +61,14 @@ def _backward(dlosses, logits, targets, lse, dlogits):
         row_lse = lse[n]
         for c in range(lane, V, WARP):
             onehot = float32(1.0) if c == t else float32(0.0)
-            dlogits[n, c] = weight * (math.exp(logits[n, c] - row_lse) - onehot)
+            dlogits[n, c] = stored(dlogits, weight * (math.exp(to_f32(logits[n, c]) - row_lse) - onehot))
 
 
 def forward(logits, targets):
     runtime.check_on_host(check_targets, targets, logits.shape[1])
     N = logits.shape[0]
-    losses = runtime.empty((N,), logits.dtype)
-    lse = runtime.empty((N,), logits.dtype)
+    losses = runtime.empty((N,), np.float32)
+    lse = runtime.empty((N,), np.float32)
     runtime.launch(_forward, runtime.blocks_for(N, ROWS), ROWS * WARP, logits, targets, losses, lse)
     return losses, (lse,)
 

@@ -1,5 +1,8 @@
-"""Row-major float32 matrix products on Numba device arrays: cuBLAS through the nvmath-python
-bindings, or a Numba shared-memory tiled kernel where nvmath is absent and under the simulator.
+"""Row-major matrix products on Numba device arrays: cuBLAS through the nvmath-python bindings,
+or a Numba shared-memory tiled kernel where nvmath is absent and under the simulator.
+
+Operands are float32 (exact, or TF32 tensor cores with ALLOW_TF32) or bf16 storage (tensor
+cores, float32 accumulation); the output is float32 or bf16, whichever `out` is.
 
 cuBLAS is column-major. A row-major (r, c) buffer read column-major is its transpose, so the
 row-major product out = op(a) @ op(b) is the column-major out^T = op(b)^T op(a)^T: call gemm
@@ -12,6 +15,7 @@ import numpy as np
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda.runtime import stored, to_f32
 
 ALLOW_TF32 = False   # True: TF32 tensor cores (~8x faster on Hopper, ~3e-4 relative error)
 TILE = 16            # the fallback kernel's output tile (TILE x TILE threads per block)
@@ -63,18 +67,21 @@ def _matmul_tiled(a, b, out, trans_a, trans_b):
     for k0 in range(0, K, TILE):
         ka = k0 + tx
         kb = k0 + ty
-        a_tile[ty, tx] = (a[ka, row] if trans_a else a[row, ka]) if row < M and ka < K else float32(0.0)
-        b_tile[ty, tx] = (b[col, kb] if trans_b else b[kb, col]) if col < N and kb < K else float32(0.0)
+        a_tile[ty, tx] = to_f32(a[ka, row] if trans_a else a[row, ka]) if row < M and ka < K else float32(0.0)
+        b_tile[ty, tx] = to_f32(b[col, kb] if trans_b else b[kb, col]) if col < N and kb < K else float32(0.0)
         cuda.syncthreads()
         for kk in range(TILE):
             acc += a_tile[ty, kk] * b_tile[kk, tx]
         cuda.syncthreads()
     if row < M and col < N:
-        out[row, col] = acc
+        out[row, col] = stored(out, acc)
+
+
+CUDA_R_32F, CUDA_R_16BF = 0, 14   # cudaDataType
 
 
 def matmul(a, b, out, trans_a: bool = False, trans_b: bool = False) -> None:
-    """out (M, N) = op(a) @ op(b) for contiguous row-major float32 device arrays."""
+    """out (M, N) = op(a) @ op(b) for contiguous row-major device arrays; a and b of one storage."""
     M, N = out.shape
     K = a.shape[0] if trans_a else a.shape[1]
     cublas = _nvmath_cublas()
@@ -82,9 +89,12 @@ def matmul(a, b, out, trans_a: bool = False, trans_b: bool = False) -> None:
         blocks = (runtime.blocks_for(N, TILE), runtime.blocks_for(M, TILE))
         runtime.launch(_matmul_tiled, blocks, (TILE, TILE), a, b, out, trans_a, trans_b)
         return
-    compute = cublas.ComputeType.COMPUTE_32F_FAST_TF32 if ALLOW_TF32 else cublas.ComputeType.COMPUTE_32F
+    low = a.dtype == runtime.BF16
+    compute = (cublas.ComputeType.COMPUTE_32F_FAST_TF32 if ALLOW_TF32 and not low else cublas.ComputeType.COMPUTE_32F)
     op = {False: cublas.Operation.N, True: cublas.Operation.T}
-    f32 = 0   # cudaDataType CUDA_R_32F
+    ab_type = CUDA_R_16BF if low else CUDA_R_32F
+    out_type = CUDA_R_16BF if out.dtype == runtime.BF16 else CUDA_R_32F
     cublas.gemm_ex(handle_for(runtime.stream_handle()), op[trans_b], op[trans_a], N, M, K, _ONE.ctypes.data,
-                   b.device_ctypes_pointer.value, f32, b.shape[1], a.device_ctypes_pointer.value, f32, a.shape[1],
-                   _ZERO.ctypes.data, out.device_ctypes_pointer.value, f32, N, compute, cublas.GemmAlgo.DEFAULT)
+                   b.device_ctypes_pointer.value, ab_type, b.shape[1], a.device_ctypes_pointer.value, ab_type,
+                   a.shape[1], _ZERO.ctypes.data, out.device_ctypes_pointer.value, out_type, N, compute,
+                   cublas.GemmAlgo.DEFAULT)

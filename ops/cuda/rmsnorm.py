@@ -1,18 +1,23 @@
-"""RMSNorm on the GPU. See nanoeuler_ops/rmsnorm.py for the math.
+"""RMSNorm on the GPU, plain and after a residual add (ops add_rmsnorm and rmsnorm share these
+kernels). See nanoeuler_ops/rmsnorm.py and add_rmsnorm.py for the math. x, w, y and dx are float32
+or bf16 storage; the statistics, rstd and dw are float32.
 
-Forward: one warp per row, the sum of squares reduced with warp shuffles.
+Forward: one warp per row, the sum of squares reduced with warp shuffles; with a residual, the
+warp first writes s = x + branch and normalises s as stored.
 Backward: each block walks a share of the rows, one warp per row (dx needs the row's
-dot(dy * w, xhat), a warp reduction); each warp adds its rows' dy * xhat into its own row of a
-shared-memory buffer, so no two threads write one dw element. Each block then writes one
-partial row, and a second kernel sums the partials: deterministic, no atomics.
+dot(dy * w, xhat), a warp reduction), adding the stream's gradient ds where there is one; each
+warp adds its rows' dy * xhat into its own row of a shared-memory buffer, so no two threads write
+one dw element. Each block then writes one partial row, and a second kernel sums the partials:
+deterministic, no atomics.
 """
 
 import math
 
+import numpy as np
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import WARP, warp_sum
+from nanoeuler_ops.cuda.runtime import WARP, stored, to_f32, warp_sum
 
 FORWARD_ROWS = 4           # rows (warps) per block in the forward
 SHARED_BYTES = 48 * 1024   # the default per-block limit of dynamic shared memory
@@ -28,20 +33,43 @@ def _forward(x, w, eps, y, rstd):
     ss = float32(0.0)
     if n < N:
         for c in range(lane, C, WARP):
-            ss += x[n, c] * x[n, c]
+            xv = to_f32(x[n, c])
+            ss += xv * xv
     ss = warp_sum(ss)
     if n < N:
         r = float32(1.0) / math.sqrt(ss / float32(C) + eps)
         if lane == 0:
             rstd[n] = r
         for c in range(lane, C, WARP):
-            y[n, c] = x[n, c] * r * w[c]
+            y[n, c] = stored(y, to_f32(x[n, c]) * r * to_f32(w[c]))
 
 
 @cuda.jit(cache=True)
-def _backward(dy, x, w, rstd, dx, dw_partial):
-    # dy, x (N, C), w (C,), rstd (N,) -> dx (N, C), dw_partial (P, C) with P = gridDim.x;
-    # one warp per row, warps of a block accumulate dw in shared (warps, C)
+def _add_forward(x, branch, w, eps, s, y, rstd):
+    # x, branch (N, C), w (C,) -> s = x + branch, y = rmsnorm(s) (N, C), rstd (N,); one warp per row
+    N, C = x.shape
+    n = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP
+    lane = cuda.threadIdx.x % WARP
+    ss = float32(0.0)
+    if n < N:
+        for c in range(lane, C, WARP):
+            stored_sum = stored(s, to_f32(x[n, c]) + to_f32(branch[n, c]))
+            s[n, c] = stored_sum
+            sv = to_f32(stored_sum)
+            ss += sv * sv
+    ss = warp_sum(ss)
+    if n < N:
+        r = float32(1.0) / math.sqrt(ss / float32(C) + eps)
+        if lane == 0:
+            rstd[n] = r
+        for c in range(lane, C, WARP):
+            y[n, c] = stored(y, to_f32(s[n, c]) * r * to_f32(w[c]))
+
+
+@cuda.jit(cache=True)
+def _backward(dy, x, w, rstd, ds, has_ds, dx, dw_partial):
+    # dy, x (N, C), w (C,), rstd (N,), ds (N, C) if has_ds -> dx (N, C) (+ ds), dw_partial (P, C) with
+    # P = gridDim.x; one warp per row, warps of a block accumulate dw in shared (warps, C)
     N, C = x.shape
     warps = cuda.blockDim.x // WARP
     warp = cuda.threadIdx.x // WARP
@@ -54,15 +82,19 @@ def _backward(dy, x, w, rstd, dx, dw_partial):
         dot = float32(0.0)
         if n < N:
             for c in range(lane, C, WARP):
-                dot += dy[n, c] * w[c] * x[n, c]
+                dot += to_f32(dy[n, c]) * to_f32(w[c]) * to_f32(x[n, c])
         dot = warp_sum(dot)
         if n < N:
             r = rstd[n]
             dot = dot * r / float32(C)
             for c in range(lane, C, WARP):
-                xhat = x[n, c] * r
-                dw_warp[warp * C + c] += dy[n, c] * xhat
-                dx[n, c] = r * (dy[n, c] * w[c] - xhat * dot)
+                xhat = to_f32(x[n, c]) * r
+                d = to_f32(dy[n, c])
+                dw_warp[warp * C + c] += d * xhat
+                grad = r * (d * to_f32(w[c]) - xhat * dot)
+                if has_ds:
+                    grad += to_f32(ds[n, c])
+                dx[n, c] = stored(dx, grad)
     cuda.syncthreads()
     for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
         total = float32(0.0)
@@ -85,13 +117,24 @@ def _sum_rows(partial, out):
 def forward(x, w, *, eps):
     N, C = x.shape
     y = runtime.empty(x.shape, x.dtype)
-    rstd = runtime.empty((N,), x.dtype)
+    rstd = runtime.empty((N,), np.float32)
     runtime.launch(_forward, runtime.blocks_for(N, FORWARD_ROWS), FORWARD_ROWS * WARP,
                    x, w, float32(eps), y, rstd)
     return y, (rstd,)
 
 
-def backward(dy, saved, x, w, *, eps):
+def add_forward(x, branch, w, *, eps):
+    N, C = x.shape
+    s = runtime.empty(x.shape, x.dtype)
+    y = runtime.empty(x.shape, x.dtype)
+    rstd = runtime.empty((N,), np.float32)
+    runtime.launch(_add_forward, runtime.blocks_for(N, FORWARD_ROWS), FORWARD_ROWS * WARP,
+                   x, branch, w, float32(eps), s, y, rstd)
+    return (s, y), (s, rstd)
+
+
+def backward(dy, saved, x, w, *, eps, ds=None):
+    """dx (N, C) and dw (C,); with ds, the stream's gradient, dx includes it (add_rmsnorm's backward)."""
     (rstd,) = saved
     N, C = x.shape
     warps = min(8, SHARED_BYTES // (4 * C))
@@ -99,8 +142,9 @@ def backward(dy, saved, x, w, *, eps):
         raise ValueError(f"rmsnorm on the GPU supports rows of at most {SHARED_BYTES // 4} elements, got {C}")
     blocks = min(MAX_PARTIALS, runtime.blocks_for(N, warps))
     dx = runtime.empty(x.shape, x.dtype)
-    dw_partial = runtime.empty((blocks, C), x.dtype)
-    dw = runtime.empty((C,), x.dtype)
-    runtime.launch(_backward, blocks, warps * WARP, dy, x, w, rstd, dx, dw_partial, shared_bytes=4 * warps * C)
+    dw_partial = runtime.empty((blocks, C), np.float32)
+    dw = runtime.empty((C,), np.float32)
+    runtime.launch(_backward, blocks, warps * WARP, dy, x, w, rstd, dy if ds is None else ds, ds is not None, dx,
+                   dw_partial, shared_bytes=4 * warps * C)
     runtime.launch(_sum_rows, runtime.blocks_for(C, 256), 256, dw_partial, dw)
     return dx, dw

@@ -1,4 +1,4 @@
-"""Rotary position embedding on the GPU. See nanoeuler_ops/rope.py for the math.
+"""Rotary position embedding on the GPU, float32 or bf16 storage. See nanoeuler_ops/rope.py for the math.
 
 cos and sin come from the same float64 `cos_sin` as every backend, cast to float32 once and kept
 on the GPU per (D, theta) for positions 0 .. L-1 (L doubled whenever a later position shows up),
@@ -9,6 +9,7 @@ import numpy as np
 from numba import cuda
 
 from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda.runtime import stored, to_f32
 from nanoeuler_ops.rope import cos_sin
 
 THREADS = 256
@@ -40,10 +41,10 @@ def _rotate(x, cos, sin, start_pos, sign, y):
         b = i // (half * H * T)
         c = cos[start_pos + t, j]
         s = sign * sin[start_pos + t, j]
-        u1 = x[b, t, h, j]
-        u2 = x[b, t, h, j + half]
-        y[b, t, h, j] = u1 * c - u2 * s
-        y[b, t, h, j + half] = u2 * c + u1 * s
+        u1 = to_f32(x[b, t, h, j])
+        u2 = to_f32(x[b, t, h, j + half])
+        y[b, t, h, j] = stored(y, u1 * c - u2 * s)
+        y[b, t, h, j + half] = stored(y, u2 * c + u1 * s)
 
 
 def _apply(x, theta, start_pos, sign):

@@ -1,5 +1,6 @@
 """What every CUDA kernel module shares: the stream kernels launch on, the allocator that hands
-out output buffers, and warp/block reductions that also run under Numba's CUDA simulator.
+out output buffers, bfloat16 storage, and warp/block reductions that also run under Numba's CUDA
+simulator.
 
 Streams and capture. Every op launches on `runtime.stream()` (the default stream unless a
 caller wraps its work in `on_stream(s)`). A CUDA graph is captured by running the ops inside
@@ -21,8 +22,10 @@ from contextlib import contextmanager
 
 import numba
 import numpy as np
-from numba import cuda, float64
+from numba import cuda, float32, float64, types, uint16, uint32
 from numba.cuda.cudadrv import driver
+
+from nanoeuler_core.registry import bf16_bits, bf16_values  # noqa: F401  (the backend converts with them)
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
 WARP = 32
@@ -201,15 +204,109 @@ def fill(arr, value) -> None:
 
 @cuda.jit(cache=True)
 def _copy(dst, src):
-    # dst (n,) <- src (n,)
+    # dst (n,) <- src (n,), one dtype
     i = cuda.grid(1)
     if i < dst.shape[0]:
         dst[i] = src[i]
 
 
+@cuda.jit(cache=True)
+def _cast(dst, src):
+    # dst (n,) <- src (n,) between float32 and bf16 storage
+    i = cuda.grid(1)
+    if i < dst.shape[0]:
+        dst[i] = stored(dst, to_f32(src[i]))
+
+
 def copy(dst, src) -> None:
-    """dst <- src for contiguous device arrays of one size, on the current stream (capturable)."""
-    launch(_copy, blocks_for(dst.size, 256), 256, dst.reshape(dst.size), src.reshape(src.size))
+    """dst <- src for contiguous device arrays of one size, on the current stream (capturable);
+    between float32 and bf16 storage the values are converted."""
+    kernel = _copy if dst.dtype == src.dtype else _cast
+    launch(kernel, blocks_for(dst.size, 256), 256, dst.reshape(dst.size), src.reshape(src.size))
+
+
+# ---------------------------------------------------------------- bfloat16 storage
+# NumPy has no bfloat16: a bf16 tensor is stored as its 16-bit patterns (uint16), the upper half of
+# the float32 with the same sign, exponent and leading 7 mantissa bits. Kernels are written once
+# for both storages: `to_f32(x[i])` reads a stored value as float32 and `y[i] = stored(y, v)`
+# rounds a float32 to y's storage (round to nearest even for bf16), so fp32 and bf16 arrays
+# compile to their own specialisations of the same kernel.
+
+BF16 = np.dtype(np.uint16)
+
+
+if SIMULATOR:
+    def to_f32(x):
+        """A stored value (float32, or bf16 bits) as float32."""
+        return bf16_values(np.array([x]))[0] if isinstance(x, np.uint16) else np.float32(x)
+
+    def stored(like, v):
+        """The float32 v rounded to the storage of the array `like`."""
+        return bf16_bits(np.array([v], np.float32))[0] if like.dtype == BF16 else v
+
+    def pack_bf16x2(lo, hi):
+        """Two float32 -> one uint32 holding their bf16 patterns, lo in the low half."""
+        bits = bf16_bits(np.array([lo, hi], np.float32)).astype(np.uint32)
+        return np.uint32(bits[0] | (bits[1] << np.uint32(16)))
+
+    def bf16x2_values(pair):
+        """One uint32 of two bf16 patterns -> (low, high) as float32."""
+        low, high = bf16_values(np.array([pair & 0xFFFF, pair >> 16]))
+        return low, high
+else:
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic, overload
+
+    @intrinsic
+    def _float_from_bits(typingctx, bits):
+        # uint32 bit pattern -> float32 with those bits
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(types.uint32), codegen
+
+    @intrinsic
+    def pack_bf16x2(typingctx, lo, hi):
+        """Two float32 -> one uint32 holding their bf16 patterns, lo in the low half (one cvt)."""
+        def codegen(context, builder, sig, args):
+            i32, f32 = ir.IntType(32), ir.FloatType()
+            asm = ir.InlineAsm(ir.FunctionType(i32, [f32, f32]), "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(asm, [args[1], args[0]])   # cvt puts its first source in the high half
+        return types.uint32(types.float32, types.float32), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def _bf16_to_f32(x):
+        return _float_from_bits(uint32(x) << uint32(16))
+
+    @cuda.jit(device=True, inline=True)
+    def _f32_to_bf16(v):
+        return uint16(pack_bf16x2(v, float32(0.0)) & uint32(0xFFFF))
+
+    @cuda.jit(device=True, inline=True)
+    def bf16x2_values(pair):
+        """One uint32 of two bf16 patterns -> (low, high) as float32."""
+        return _float_from_bits(pair << uint32(16)), _float_from_bits(pair & uint32(0xFFFF0000))
+
+    def to_f32(x):
+        """A stored value (float32, or bf16 bits) as float32."""
+
+    def stored(like, v):
+        """The float32 v rounded to the storage of the array `like`."""
+
+    @overload(to_f32, inline="always")
+    def _to_f32(x):
+        if x == types.uint16:
+            return lambda x: _bf16_to_f32(x)
+        return lambda x: float32(x)
+
+    @overload(stored, inline="always")
+    def _stored(like, v):
+        if like.dtype == types.uint16:
+            return lambda like, v: _f32_to_bf16(float32(v))
+        return lambda like, v: float32(v)
+
+
+def compute_capability() -> tuple[int, int]:
+    return tuple(cuda.get_current_device().compute_capability)
 
 
 # ---------------------------------------------------------------- reductions
@@ -251,6 +348,26 @@ def _warp_reduce_simulated(x, take_max):
     return type(x)(total)
 
 
+@cuda.jit(device=True)
+def _warp_ballot_simulated(predicate):
+    slots = cuda.shared.array(1024, np.uint32)
+    tid = cuda.threadIdx.x
+    cuda.syncthreads()
+    slots[tid] = 1 if predicate else 0
+    cuda.syncthreads()
+    first = tid - tid % WARP
+    mask = 0
+    for lane in range(WARP):
+        mask |= int(slots[first + lane]) << lane
+    cuda.syncthreads()
+    return np.uint32(mask)
+
+
+@cuda.jit(device=True, inline=True)
+def _warp_ballot(predicate):
+    return cuda.ballot_sync(FULL_MASK, predicate)
+
+
 if SIMULATOR:
     def warp_sum(x):
         """Sum of x over the 32 lanes of the warp, returned to every lane."""
@@ -259,8 +376,12 @@ if SIMULATOR:
     def warp_max(x):
         """Max of x over the 32 lanes of the warp, returned to every lane."""
         return _warp_reduce_simulated(x, True)
+
+    def warp_ballot(predicate):
+        """A mask with bit `lane` set where that lane's predicate holds, returned to every lane."""
+        return _warp_ballot_simulated(predicate)
 else:
-    warp_sum, warp_max = _warp_sum_shuffle, _warp_max_shuffle
+    warp_sum, warp_max, warp_ballot = _warp_sum_shuffle, _warp_max_shuffle, _warp_ballot
 
 
 @cuda.jit(device=True)
@@ -277,3 +398,89 @@ def block_sum(x):
     x = warp_sum(x)
     cuda.syncthreads()   # per_warp may be reused by the next call
     return x
+
+
+# ---------------------------------------------------------------- tensor cores
+# mma.sync.m16n8k16: one warp computes D = A B + C for A (16 x 16) and B (16 x 8) in bf16 and C, D
+# (16 x 8) in float32. Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane = 4 g + t,
+# each register of A and B holding two bf16 (the lower index in the low half):
+#   A: a0 = A[g, 2t:2t+2]   a1 = A[g+8, 2t:2t+2]   a2 = A[g, 2t+8:2t+10]   a3 = A[g+8, 2t+8:2t+10]
+#   B: b0 = B[2t:2t+2, g]   b1 = B[2t+8:2t+10, g]
+#   C, D: c0, c1 = C[g, 2t:2t+2]   c2, c3 = C[g+8, 2t:2t+2]
+# The simulator cannot run PTX: its twin gathers the warp's fragments through shared memory and
+# computes the same tile, in the same layout (the slots are rewritten only after the next call's
+# first barrier, once every lane has read them). Lanes 4g .. 4g+3 hold one row pair of C: quad_max
+# and quad_sum reduce over them (xor shuffles by 1 and 2).
+
+if SIMULATOR:
+    # Where each element of A (16 x 16) and B (16 x 8) sits in the warp: lane and register (a0..a3 are
+    # registers 0..3, b0 and b1 are 4 and 5) of the pair holding it, and which half of the pair
+    _A_LANE = np.array([[4 * (r % 8) + (k % 8) // 2 for k in range(16)] for r in range(16)])
+    _A_REG = np.array([[(r >= 8) + 2 * (k >= 8) for k in range(16)] for r in range(16)])
+    _B_LANE = np.array([[4 * n + (k % 8) // 2 for n in range(8)] for k in range(16)])
+    _B_REG = np.array([[4 + (k >= 8) for n in range(8)] for k in range(16)])
+    _A_HALF, _B_HALF = np.arange(16)[None, :] % 2, np.arange(16)[:, None] % 2
+
+    @cuda.jit(device=True)
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        slots = cuda.shared.array((1024, 6), np.uint32)
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()
+        slots[tid, :] = (a0, a1, a2, a3, b0, b1)
+        cuda.syncthreads()
+        first, lane = tid - tid % WARP, tid % WARP
+        words = np.array(slots[first:first + WARP]).astype(np.uint32)
+        halves = np.stack([bf16_values(words & np.uint32(0xFFFF)), bf16_values(words >> np.uint32(16))])
+        a = halves[_A_HALF, _A_LANE, _A_REG].astype(np.float64)
+        b = halves[_B_HALF, _B_LANE, _B_REG].astype(np.float64)
+        g, t = lane // 4, lane % 4
+        d = a[[g, g, g + 8, g + 8]] @ b[:, [2 * t, 2 * t + 1, 2 * t, 2 * t + 1]]
+        return (np.float32(c0 + d[0, 0]), np.float32(c1 + d[1, 1]), np.float32(c2 + d[2, 2]), np.float32(c3 + d[3, 3]))
+
+    @cuda.jit(device=True)
+    def _quad_reduce_simulated(x, take_max):
+        slots = cuda.shared.array(1024, float32)
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()
+        slots[tid] = x
+        cuda.syncthreads()
+        first = tid - tid % 4
+        total = slots[first]
+        for i in range(first + 1, first + 4):
+            total = max(total, slots[i]) if take_max else total + slots[i]
+        return np.float32(total)
+
+    def quad_max(x):
+        """Max of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
+        return _quad_reduce_simulated(x, True)
+
+    def quad_sum(x):
+        """Sum of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
+        return _quad_reduce_simulated(x, False)
+else:
+    @intrinsic
+    def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A B + C on the tensor cores (layout above); returns (d0, d1, d2, d3)."""
+        sig = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
+
+        def codegen(context, builder, sig, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4),
+                               "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                               "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            result = builder.call(asm, args)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(result, i) for i in range(4)])
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def quad_max(x):
+        """Max of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
+        x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
+        return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
+
+    @cuda.jit(device=True, inline=True)
+    def quad_sum(x):
+        """Sum of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
+        x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+        return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)

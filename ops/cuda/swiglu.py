@@ -1,11 +1,13 @@
-"""SwiGLU on the GPU, forward and backward each one fused elementwise pass.
-See nanoeuler_ops/swiglu.py for the math."""
+"""SwiGLU on the GPU, forward and backward each one fused elementwise pass, float32 or bf16
+storage (float32 arithmetic). See nanoeuler_ops/swiglu.py for the math."""
 
 import math
 
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda.runtime import stored, to_f32
+from nanoeuler_ops.swiglu import check_shape
 
 THREADS = 256
 
@@ -16,37 +18,38 @@ def _sigmoid(z):
 
 
 @cuda.jit(cache=True)
-def _forward(gate, up, y):
-    # gate, up (n,) -> y (n,): (N, F) flattened
+def _forward(x, y):
+    # x (N, 2F) -> y (N, F); one thread per output element
     i = cuda.grid(1)
-    if i < y.shape[0]:
-        g = gate[i]
-        y[i] = g * _sigmoid(g) * up[i]
+    N, F = y.shape
+    if i < N * F:
+        n, j = i // F, i % F
+        g = to_f32(x[n, j])
+        y[n, j] = stored(y, g * _sigmoid(g) * to_f32(x[n, F + j]))
 
 
 @cuda.jit(cache=True)
-def _backward(dy, gate, up, dgate, dup):
-    # dy, gate, up (n,) -> dgate, dup (n,): (N, F) flattened
+def _backward(dy, x, dx):
+    # dy (N, F), x (N, 2F) -> dx (N, 2F); one thread per element of dy
     i = cuda.grid(1)
-    if i < dy.shape[0]:
-        g = gate[i]
+    N, F = dy.shape
+    if i < N * F:
+        n, j = i // F, i % F
+        g = to_f32(x[n, j])
+        d = to_f32(dy[n, j])
         s = _sigmoid(g)
-        dgate[i] = dy[i] * up[i] * s * (float32(1.0) + g * (float32(1.0) - s))
-        dup[i] = dy[i] * g * s
+        dx[n, j] = stored(dx, d * to_f32(x[n, F + j]) * s * (float32(1.0) + g * (float32(1.0) - s)))
+        dx[n, F + j] = stored(dx, d * g * s)
 
 
-def _flat(*arrays):
-    return tuple(a.reshape(a.size) for a in arrays)
-
-
-def forward(gate, up):
-    y = runtime.empty(gate.shape, gate.dtype)
-    runtime.launch(_forward, runtime.blocks_for(gate.size, THREADS), THREADS, *_flat(gate, up, y))
+def forward(x):
+    check_shape(x)
+    y = runtime.empty((x.shape[0], x.shape[1] // 2), x.dtype)
+    runtime.launch(_forward, runtime.blocks_for(y.size, THREADS), THREADS, x, y)
     return y, ()
 
 
-def backward(dy, saved, gate, up):
-    dgate = runtime.empty(gate.shape, gate.dtype)
-    dup = runtime.empty(up.shape, up.dtype)
-    runtime.launch(_backward, runtime.blocks_for(gate.size, THREADS), THREADS, *_flat(dy, gate, up, dgate, dup))
-    return dgate, dup
+def backward(dy, saved, x):
+    dx = runtime.empty(x.shape, x.dtype)
+    runtime.launch(_backward, runtime.blocks_for(dy.size, THREADS), THREADS, dy, x, dx)
+    return (dx,)

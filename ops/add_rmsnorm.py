@@ -1,0 +1,50 @@
+"""A residual connection followed by RMSNorm, fused: s = x + branch, y = rmsnorm(s; w).
+
+Shapes: x, branch (N, C), w (C,) -> (s (N, C), y (N, C)); saved (s, rstd (N,)). Attr: eps.
+The model's residual stream goes through one of these at every Euler step's end: s is the new
+stream, y the next step's normalised input. Backward, with ds the gradient reaching s from the
+stream and dy from the norm (ds may be None: no gradient reaches the stream):
+
+    dx = dbranch = ds + rmsnorm_backward(dy; s, w)          dw as in ops/rmsnorm.py
+
+The backward reads only `saved` and w (callers may pass None for x and branch). In bf16 the norm
+is taken of s as stored (rounded), so the fused op equals add then rmsnorm exactly.
+"""
+
+from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_ops import rmsnorm
+from nanoeuler_ops.add import check_same_shape
+
+
+def forward(x, branch, w, *, eps):
+    check_same_shape(x, branch)
+    s = x + branch
+    y, (rstd,) = rmsnorm.forward(s, w, eps=eps)
+    return (s, y), (s, rstd)
+
+
+def backward(dout, saved, x, branch, w, *, eps):
+    ds, dy = dout
+    s, rstd = saved
+    dx, dw = rmsnorm.backward(dy, (rstd,), s, w, eps=eps)
+    if ds is not None:
+        dx = dx + ds
+    return dx, dx, dw
+
+
+def sample_inputs(rng):
+    for n, c in ((1, 4), (7, 16), (33, 96)):
+        x, branch = rng.standard_normal((2, n, c))
+        w = 1.0 + 0.1 * rng.standard_normal(c)
+        yield Sample((x, branch, w), {"eps": 1e-5}, grad_inputs=(0, 1, 2), name=f"N{n}_C{c}")
+
+
+OP = Op(
+    name="add_rmsnorm",
+    summary="Residual add then RMSNorm, fused: (x + branch, rmsnorm(x + branch))",
+    reference=Impl(forward, backward),
+    sample_inputs=sample_inputs,
+    backends={"cpu": "nanoeuler_ops.cpu.add_rmsnorm", "cuda": "nanoeuler_ops.cuda.add_rmsnorm"},
+    tol=Tol(rtol=1e-4, atol=1e-5),
+    precisions={"cuda": ("bf16",)},
+)

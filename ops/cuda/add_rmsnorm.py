@@ -1,0 +1,17 @@
+"""Residual add then RMSNorm on the GPU: one pass forward, one backward (the rmsnorm kernels with
+their residual variants). See nanoeuler_ops/add_rmsnorm.py for the math."""
+
+from nanoeuler_ops.add import check_same_shape
+from nanoeuler_ops.cuda import rmsnorm
+
+
+def forward(x, branch, w, *, eps):
+    check_same_shape(x, branch)
+    return rmsnorm.add_forward(x, branch, w, eps=eps)
+
+
+def backward(dout, saved, x, branch, w, *, eps):
+    ds, dy = dout
+    s, rstd = saved
+    dx, dw = rmsnorm.backward(dy, (rstd,), s, w, eps=eps, ds=ds)
+    return dx, dx, dw

@@ -1,0 +1,66 @@
+"""Split a fused query/key/value projection into heads and rotate the queries and keys (RoPE).
+
+Shapes: qkv (B, T, (H + 2 KV) D), its columns the query heads, then the key heads, then the value
+heads -> (q (B, T, H, D), k (B, T, KV, D), v (B, T, KV, D)); saved (). Attrs: n_heads (H),
+n_kv_heads (KV), theta, start_pos (the absolute position of token 0, > 0 when decoding after a
+KV cache). q and k are rotated as in ops/rope.py; v is copied.
+Backward: dqkv gathers dq and dk rotated back (sin -> -sin) and dv, in the same column layout.
+
+The model computes q, k and v with one matrix product against the stacked weights [wq; wk; wv]
+(adjacent in its parameter buffer), so this op is the seam between that product and attention.
+"""
+
+import numpy as np
+
+from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_ops.rope import cos_sin, rotate
+
+
+def _heads(qkv, n_heads, n_kv_heads):
+    """qkv (B, T, (H + 2 KV) D) -> views q (B, T, H, D), k and v (B, T, KV, D)."""
+    B, T, width = qkv.shape
+    D = width // (n_heads + 2 * n_kv_heads)
+    heads = qkv.reshape(B, T, n_heads + 2 * n_kv_heads, D)
+    return heads[:, :, :n_heads], heads[:, :, n_heads:n_heads + n_kv_heads], heads[:, :, n_heads + n_kv_heads:]
+
+
+def check_shape(qkv, n_heads, n_kv_heads):
+    """Raise ValueError unless qkv's last axis holds H + 2 KV heads of an even size (every backend calls this)."""
+    heads = n_heads + 2 * n_kv_heads
+    if qkv.ndim != 3 or qkv.shape[2] % heads or (qkv.shape[2] // heads) % 2:
+        raise ValueError(f"qkv_rope: need qkv (B, T, (H + 2 KV) D) with an even D for H={n_heads}, "
+                         f"KV={n_kv_heads}, got shape {qkv.shape}")
+
+
+def forward(qkv, *, n_heads, n_kv_heads, theta, start_pos=0):
+    check_shape(qkv, n_heads, n_kv_heads)
+    q, k, v = _heads(qkv, n_heads, n_kv_heads)
+    cos, sin = cos_sin(qkv.shape[1], q.shape[3], theta, start_pos)
+    return (rotate(q, cos, sin), rotate(k, cos, sin), v.copy()), ()
+
+
+def backward(dout, saved, qkv, *, n_heads, n_kv_heads, theta, start_pos=0):
+    dq, dk, dv = dout
+    cos, sin = cos_sin(qkv.shape[1], dq.shape[3], theta, start_pos)
+    B, T = dq.shape[:2]
+    parts = (rotate(dq, cos, -sin), rotate(dk, cos, -sin), dv)
+    return (np.concatenate([p.reshape(B, T, -1) for p in parts], axis=2),)
+
+
+def sample_inputs(rng):
+    # (B, T, H, KV, D, start_pos): GQA, plain multi-head, a decode-style offset, one token
+    for b, t, h, kv, d, start_pos in ((1, 1, 1, 1, 2, 0), (2, 5, 4, 2, 6, 0), (2, 3, 2, 2, 8, 7), (1, 4, 4, 1, 16, 123)):
+        qkv = rng.standard_normal((b, t, (h + 2 * kv) * d))
+        yield Sample((qkv,), {"n_heads": h, "n_kv_heads": kv, "theta": 10000.0, "start_pos": start_pos},
+                     grad_inputs=(0,), name=f"B{b}_T{t}_H{h}_KV{kv}_D{d}_p{start_pos}")
+
+
+OP = Op(
+    name="qkv_rope",
+    summary="Split a fused q/k/v projection into heads; rotary position embedding of q and k",
+    reference=Impl(forward, backward),
+    sample_inputs=sample_inputs,
+    backends={"cpu": "nanoeuler_ops.cpu.qkv_rope", "cuda": "nanoeuler_ops.cuda.qkv_rope"},
+    tol=Tol(rtol=1e-4, atol=1e-5),
+    precisions={"cuda": ("bf16",)},
+)

@@ -1,0 +1,59 @@
+"""The tensor-core primitives of the CUDA backend: a warp's mma.sync tile in the documented fragment
+layout, and bf16 conversions. On a GPU the inline-PTX instructions run; under the simulator their
+twins, which the simulated tensor-core kernels rely on, are checked against the same NumPy answer."""
+
+import numpy as np
+from numba import cuda
+
+from nanoeuler_core.registry import bf16_bits, bf16_values
+from nanoeuler_ops.cuda import runtime
+
+
+@cuda.jit
+def _one_tile(a, b, c, d):
+    # a (16, 8) words: A (16 x 16) bf16 pairs; b (8, 8) words: B (16 x 8) as B^T rows of pairs; c, d (16, 8)
+    lane = cuda.threadIdx.x
+    g, t = lane // 4, lane % 4
+    out = runtime.mma_bf16(a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[g, t], b[g, t + 4],
+                           c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+    d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = out[0], out[1], out[2], out[3]
+
+
+@cuda.jit
+def _conversions(x, rounded, pairs, back):
+    # x (n,) float32 -> rounded (n,) bf16 bits, pairs (n/2,) packed, back (n,) float32 from the pairs
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        rounded[i] = runtime.stored(rounded, x[i])
+    if i < pairs.shape[0]:
+        pairs[i] = runtime.pack_bf16x2(x[2 * i], x[2 * i + 1])
+        back[2 * i], back[2 * i + 1] = runtime.bf16x2_values(pairs[i])
+
+
+def _words(m):
+    """(R, 2K) float -> (R, K) uint32 of bf16 pairs, the lower column in the low half."""
+    bits = bf16_bits(m).astype(np.uint32)
+    return bits[:, 0::2] | (bits[:, 1::2] << 16)
+
+
+def test_mma_tile_matches_numpy():
+    rng = np.random.default_rng(0)
+    a = bf16_values(bf16_bits(rng.standard_normal((16, 16))))
+    b = bf16_values(bf16_bits(rng.standard_normal((16, 8))))
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = cuda.device_array((16, 8), np.float32)
+    _one_tile[1, 32](cuda.to_device(_words(a)), cuda.to_device(_words(b.T)), cuda.to_device(c), d)
+    expected = a.astype(np.float64) @ b + c
+    np.testing.assert_allclose(d.copy_to_host(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_conversions_round_to_nearest_even():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(60), [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -0.0, 3.0e38]]).astype(np.float32)
+    rounded = cuda.device_array(x.size, np.uint16)
+    pairs = cuda.device_array(x.size // 2, np.uint32)
+    back = cuda.device_array(x.size, np.float32)
+    _conversions[1, 64](cuda.to_device(x), rounded, pairs, back)
+    expected = bf16_bits(x)
+    assert np.array_equal(rounded.copy_to_host(), expected)   # ties go to even: 1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6
+    assert np.array_equal(back.copy_to_host(), bf16_values(expected))
