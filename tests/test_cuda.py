@@ -8,7 +8,7 @@ import pytest
 from numba import cuda
 
 from nanoeuler_core import registry
-from nanoeuler_core.engine.gradcheck import run_backend, stored_values
+from nanoeuler_core.engine.gradcheck import random_like, run_backend, stored_values
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(bool(numba.config.ENABLE_CUDASIM) or not cuda.is_available(),
@@ -64,7 +64,7 @@ def _compare_backends(name, inputs, attrs, rng, precision="fp32"):
     inputs = tuple(stored_values(x, precision) if x.dtype.kind == "f" else x for x in inputs)
     dout = None
     if op.differentiable:
-        dout = stored_values(rng.standard_normal(op.impl("cpu").forward(*inputs, **attrs)[0].shape), precision)
+        dout = random_like(op.impl("cpu").forward(*inputs, **attrs)[0], rng, precision)
     cpu_out, cpu_grads = run_backend(op, "cpu", inputs, attrs, dout)
     gpu_out, gpu_grads = run_backend(op, "cuda", inputs, attrs, dout, precision)
     errors = {f"out{i}": _rel_err(g, c) for i, (g, c) in enumerate(zip(gpu_out, cpu_out))}

@@ -104,7 +104,7 @@ def _outputs(out) -> tuple:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _random_like(out, rng: np.random.Generator, precision: str = "fp32"):
+def random_like(out, rng: np.random.Generator, precision: str = "fp32"):
     """Random weights shaped like an op's output (a tuple for several outputs), rounded to `precision`."""
     weights = tuple(stored_values(rng.standard_normal(np.shape(o)), precision) for o in _outputs(out))
     return weights if isinstance(out, tuple) else weights[0]
@@ -114,7 +114,7 @@ def finite_difference_check(op: Op, sample: Sample, rng: np.random.Generator) ->
     """The reference backward against central differences of L = sum(out * R), in float64."""
     inputs = [x.copy() if isinstance(x, np.ndarray) else x for x in _rounded(sample)]
     out, saved = op.reference.forward(*inputs, **sample.attrs)
-    weights = _random_like(out, rng)
+    weights = random_like(out, rng)
     grads = op.reference.backward(weights, saved, *inputs, **sample.attrs)
 
     def loss() -> float:
@@ -149,7 +149,7 @@ def backend_pair_checks(op: Op, sample: Sample, backends: list[str], rng: np.ran
     inputs = _rounded(sample, precision)
     dout = None
     if op.differentiable:
-        dout = _random_like(op.reference.forward(*inputs, **sample.attrs)[0], rng, precision)
+        dout = random_like(op.reference.forward(*inputs, **sample.attrs)[0], rng, precision)
     results = {name: run_backend(op, name, inputs, sample.attrs, dout, precision) for name in backends}
     tol = op.tol_for(precision)
     checks = []

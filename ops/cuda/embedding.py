@@ -13,7 +13,7 @@ checked on the host, and the kernels skip them (zero rows out, nothing added).
 from functools import cache
 
 import numpy as np
-from numba import cuda, float32, int64
+from numba import cuda, float32, int64, uint32, uint64
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.runtime import WARP, stored, to_f32, warp_ballot
@@ -59,10 +59,10 @@ def _backward(cols: int):
             cuda.syncthreads()
             for group in range(0, min(CHUNK, N - start), WARP):
                 row = chunk[group + lane] - v0
-                mask = warp_ballot(0 <= row < ROWS)
+                mask = uint64(uint32(warp_ballot(0 <= row < ROWS)))   # zero-extended: 32 bits at most
                 while mask:
                     first = cuda.ffs(mask) - 1
-                    mask &= mask - 1
+                    mask &= mask - uint64(1)
                     n = start + group + first
                     match = chunk[group + first] - v0
                     for r in range(ROWS):   # unrolled: acc stays in registers

@@ -14,26 +14,30 @@ deterministic, no atomics.
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.runtime import WARP, stored, to_f32, warp_sum
 
 FORWARD_ROWS = 4           # rows (warps) per block in the forward
 SHARED_BYTES = 48 * 1024   # the default per-block limit of dynamic shared memory
-MAX_PARTIALS = 256         # blocks of the backward: enough to fill the GPU, few partial rows
+MAX_PARTIALS = 1024        # blocks of the backward: enough warps to keep every multiprocessor's loads in flight
 
+
+# Rows are passed flat, (N * C,), and indexed with unsigned integers: no negative-index
+# wraparound per element. u64(n) * C + c is element c of row n.
 
 @cuda.jit(cache=True)
-def _forward(x, w, eps, y, rstd):
-    # x (N, C), w (C,) -> y (N, C), rstd (N,); one warp per row
-    N, C = x.shape
+def _forward(x, w, eps, N, y, rstd):
+    # x (N * C,), w (C,) -> y (N * C,), rstd (N,); one warp per row
+    C = w.shape[0]
     n = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP
     lane = cuda.threadIdx.x % WARP
+    row = uint64(n) * uint64(C)
     ss = float32(0.0)
     if n < N:
         for c in range(lane, C, WARP):
-            xv = to_f32(x[n, c])
+            xv = to_f32(x[row + uint64(c)])
             ss += xv * xv
     ss = warp_sum(ss)
     if n < N:
@@ -41,20 +45,23 @@ def _forward(x, w, eps, y, rstd):
         if lane == 0:
             rstd[n] = r
         for c in range(lane, C, WARP):
-            y[n, c] = stored(y, to_f32(x[n, c]) * r * to_f32(w[c]))
+            i = row + uint64(c)
+            y[i] = stored(y, to_f32(x[i]) * r * to_f32(w[uint64(c)]))
 
 
 @cuda.jit(cache=True)
-def _add_forward(x, branch, w, eps, s, y, rstd):
-    # x, branch (N, C), w (C,) -> s = x + branch, y = rmsnorm(s) (N, C), rstd (N,); one warp per row
-    N, C = x.shape
+def _add_forward(x, branch, w, eps, N, s, y, rstd):
+    # x, branch (N * C,), w (C,) -> s = x + branch, y = rmsnorm(s) (N * C,), rstd (N,); one warp per row
+    C = w.shape[0]
     n = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP
     lane = cuda.threadIdx.x % WARP
+    row = uint64(n) * uint64(C)
     ss = float32(0.0)
     if n < N:
         for c in range(lane, C, WARP):
-            stored_sum = stored(s, to_f32(x[n, c]) + to_f32(branch[n, c]))
-            s[n, c] = stored_sum
+            i = row + uint64(c)
+            stored_sum = stored(s, to_f32(x[i]) + to_f32(branch[i]))
+            s[i] = stored_sum
             sv = to_f32(stored_sum)
             ss += sv * sv
     ss = warp_sum(ss)
@@ -63,14 +70,15 @@ def _add_forward(x, branch, w, eps, s, y, rstd):
         if lane == 0:
             rstd[n] = r
         for c in range(lane, C, WARP):
-            y[n, c] = stored(y, to_f32(s[n, c]) * r * to_f32(w[c]))
+            i = row + uint64(c)
+            y[i] = stored(y, to_f32(s[i]) * r * to_f32(w[uint64(c)]))
 
 
 @cuda.jit(cache=True)
-def _backward(dy, x, w, rstd, ds, has_ds, dx, dw_partial):
-    # dy, x (N, C), w (C,), rstd (N,), ds (N, C) if has_ds -> dx (N, C) (+ ds), dw_partial (P, C) with
-    # P = gridDim.x; one warp per row, warps of a block accumulate dw in shared (warps, C)
-    N, C = x.shape
+def _backward(dy, x, w, rstd, ds, has_ds, N, dx, dw_partial):
+    # dy, x (N * C,), w (C,), rstd (N,), ds (N * C,) if has_ds -> dx (N * C,) (+ ds), dw_partial (P, C)
+    # with P = gridDim.x; one warp per row, warps of a block accumulate dw in shared (warps, C)
+    C = w.shape[0]
     warps = cuda.blockDim.x // WARP
     warp = cuda.threadIdx.x // WARP
     lane = cuda.threadIdx.x % WARP
@@ -79,22 +87,25 @@ def _backward(dy, x, w, rstd, ds, has_ds, dx, dw_partial):
         dw_warp[warp * C + c] = 0.0
     for first in range(cuda.blockIdx.x * warps, N, cuda.gridDim.x * warps):
         n = first + warp
+        row = uint64(n) * uint64(C)
         dot = float32(0.0)
         if n < N:
             for c in range(lane, C, WARP):
-                dot += to_f32(dy[n, c]) * to_f32(w[c]) * to_f32(x[n, c])
+                i = row + uint64(c)
+                dot += to_f32(dy[i]) * to_f32(w[uint64(c)]) * to_f32(x[i])
         dot = warp_sum(dot)
         if n < N:
             r = rstd[n]
             dot = dot * r / float32(C)
             for c in range(lane, C, WARP):
-                xhat = to_f32(x[n, c]) * r
-                d = to_f32(dy[n, c])
+                i = row + uint64(c)
+                xhat = to_f32(x[i]) * r
+                d = to_f32(dy[i])
                 dw_warp[warp * C + c] += d * xhat
-                grad = r * (d * to_f32(w[c]) - xhat * dot)
+                grad = r * (d * to_f32(w[uint64(c)]) - xhat * dot)
                 if has_ds:
-                    grad += to_f32(ds[n, c])
-                dx[n, c] = stored(dx, grad)
+                    grad += to_f32(ds[i])
+                dx[i] = stored(dx, grad)
     cuda.syncthreads()
     for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
         total = float32(0.0)
@@ -114,12 +125,16 @@ def _sum_rows(partial, out):
         out[c] = total
 
 
+def _flat(x):
+    return x.reshape(x.size)
+
+
 def forward(x, w, *, eps):
     N, C = x.shape
     y = runtime.empty(x.shape, x.dtype)
     rstd = runtime.empty((N,), np.float32)
     runtime.launch(_forward, runtime.blocks_for(N, FORWARD_ROWS), FORWARD_ROWS * WARP,
-                   x, w, float32(eps), y, rstd)
+                   _flat(x), w, float32(eps), N, _flat(y), rstd)
     return y, (rstd,)
 
 
@@ -129,7 +144,7 @@ def add_forward(x, branch, w, *, eps):
     y = runtime.empty(x.shape, x.dtype)
     rstd = runtime.empty((N,), np.float32)
     runtime.launch(_add_forward, runtime.blocks_for(N, FORWARD_ROWS), FORWARD_ROWS * WARP,
-                   x, branch, w, float32(eps), s, y, rstd)
+                   _flat(x), _flat(branch), w, float32(eps), N, _flat(s), _flat(y), rstd)
     return (s, y), (s, rstd)
 
 
@@ -144,7 +159,7 @@ def backward(dy, saved, x, w, *, eps, ds=None):
     dx = runtime.empty(x.shape, x.dtype)
     dw_partial = runtime.empty((blocks, C), np.float32)
     dw = runtime.empty((C,), np.float32)
-    runtime.launch(_backward, blocks, warps * WARP, dy, x, w, rstd, dy if ds is None else ds, ds is not None, dx,
-                   dw_partial, shared_bytes=4 * warps * C)
+    runtime.launch(_backward, blocks, warps * WARP, _flat(dy), _flat(x), w, rstd, _flat(dy if ds is None else ds),
+                   ds is not None, N, _flat(dx), dw_partial, shared_bytes=4 * warps * C)
     runtime.launch(_sum_rows, runtime.blocks_for(C, 256), 256, dw_partial, dw)
     return dx, dw

@@ -3,7 +3,7 @@ storage (float32 arithmetic). See nanoeuler_ops/swiglu.py for the math."""
 
 import math
 
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.runtime import stored, to_f32
@@ -17,39 +17,43 @@ def _sigmoid(z):
     return float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # 1 / (1 + exp(-z)) without overflow for large -z
 
 
+# Arrays are passed flat and indexed with unsigned integers; the grid is (rows, column blocks), so
+# no thread divides to find its row.
+
 @cuda.jit(cache=True)
-def _forward(x, y):
-    # x (N, 2F) -> y (N, F); one thread per output element
-    i = cuda.grid(1)
-    N, F = y.shape
-    if i < N * F:
-        n, j = i // F, i % F
-        g = to_f32(x[n, j])
-        y[n, j] = stored(y, g * _sigmoid(g) * to_f32(x[n, F + j]))
+def _forward(x, y, F):
+    # x (N * 2F,) = rows [gate | up], y (N * F,); grid (N, F / THREADS), one thread per output element
+    j = cuda.blockIdx.y * THREADS + cuda.threadIdx.x
+    if j < F:
+        gate = uint64(cuda.blockIdx.x) * uint64(2 * F) + uint64(j)
+        g = to_f32(x[gate])
+        y[uint64(cuda.blockIdx.x) * uint64(F) + uint64(j)] = stored(y, g * _sigmoid(g) * to_f32(x[gate + uint64(F)]))
 
 
 @cuda.jit(cache=True)
-def _backward(dy, x, dx):
-    # dy (N, F), x (N, 2F) -> dx (N, 2F); one thread per element of dy
-    i = cuda.grid(1)
-    N, F = dy.shape
-    if i < N * F:
-        n, j = i // F, i % F
-        g = to_f32(x[n, j])
-        d = to_f32(dy[n, j])
+def _backward(dy, x, F, dx):
+    # dy (N * F,), x (N * 2F,) -> dx (N * 2F,); grid (N, F / THREADS), one thread per element of dy
+    j = cuda.blockIdx.y * THREADS + cuda.threadIdx.x
+    if j < F:
+        gate = uint64(cuda.blockIdx.x) * uint64(2 * F) + uint64(j)
+        up = gate + uint64(F)
+        g = to_f32(x[gate])
+        d = to_f32(dy[uint64(cuda.blockIdx.x) * uint64(F) + uint64(j)])
         s = _sigmoid(g)
-        dx[n, j] = stored(dx, d * to_f32(x[n, F + j]) * s * (float32(1.0) + g * (float32(1.0) - s)))
-        dx[n, F + j] = stored(dx, d * g * s)
+        dx[gate] = stored(dx, d * to_f32(x[up]) * s * (float32(1.0) + g * (float32(1.0) - s)))
+        dx[up] = stored(dx, d * g * s)
 
 
 def forward(x):
     check_shape(x)
     y = runtime.empty((x.shape[0], x.shape[1] // 2), x.dtype)
-    runtime.launch(_forward, runtime.blocks_for(y.size, THREADS), THREADS, x, y)
+    grid = (x.shape[0], runtime.blocks_for(y.shape[1], THREADS))
+    runtime.launch(_forward, grid, THREADS, x.reshape(x.size), y.reshape(y.size), y.shape[1])
     return y, ()
 
 
 def backward(dy, saved, x):
     dx = runtime.empty(x.shape, x.dtype)
-    runtime.launch(_backward, runtime.blocks_for(dy.size, THREADS), THREADS, dy, x, dx)
+    grid = (x.shape[0], runtime.blocks_for(dy.shape[1], THREADS))
+    runtime.launch(_backward, grid, THREADS, dy.reshape(dy.size), x.reshape(x.size), dy.shape[1], dx.reshape(dx.size))
     return (dx,)
