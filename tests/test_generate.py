@@ -92,6 +92,29 @@ def test_batch_equals_rows_alone(cycle_model, speculative, sampling):
     assert eos not in sum(batch, [])
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_sampling_filters(backend):
+    """The tokens the sample op can draw under greedy, top-k and top-p (500 rows, one seed each)."""
+    from nanoeuler_core import registry
+
+    op = registry.op("sample").impl(backend)
+    be = registry.backend(backend)
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+
+    def drawn(temperature, top_k=0, top_p=1.0, rows=500):
+        state = [be.asarray(a) for a in (np.zeros((rows, 1), np.int64), np.zeros((rows, 0, 4)), np.arange(rows),
+                                          np.zeros(rows, np.int64), np.zeros(rows, np.int64))]
+        op.forward(be.asarray(np.tile(logits, (rows, 1, 1, 1))), *state, temperature=temperature, top_k=top_k,
+                   top_p=top_p, max_pos=100)
+        return set(be.to_host(state[0])[:, 0].tolist())
+
+    assert drawn(0.0) == {0}
+    assert drawn(1.0, top_k=2) == {0, 1}
+    assert drawn(1.0, top_p=0.7) == {0, 1}
+    assert drawn(1.0, top_p=0.5) == {0}
+    assert drawn(1.0) == {0, 1, 2, 3}
+
+
 def test_speculative_sampling_keeps_head0_distribution():
     """Chi-square test, fixed seeds: the first two tokens drawn by speculative sampling follow head 0's
     distribution (temperature 0.8, top-k 6), computed exactly from the full forward. The heads are

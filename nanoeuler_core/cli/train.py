@@ -76,7 +76,7 @@ def stream_text(piece: str) -> None:
 
 
 SPECULATIVE_HELP = ("self-speculative decoding with the multi-token-prediction heads: the same greedy output, "
-                    "the same sampling distribution (default: on where it is faster: --backend cuda and cpu)")
+                    "the same sampling distribution (default: on where it is usually faster, --backend cuda)")
 
 
 def generate(

@@ -299,7 +299,7 @@ class Decoder:
         """Prefill, then step until every row is done; returns (steps, proposals made, proposals kept)."""
         ctx, be = self.cfg.ctx_len, self.be
         self._refresh_copies()
-        be.copy_(self.seeds, np.asarray(seeds, dtype=np.int64) % MAX_SEED)
+        be.copy_(self.seeds, np.array([seed % MAX_SEED for seed in seeds], dtype=np.int64))
         for row in rows:
             if row.active:
                 self._prefill(row.b, row.sequence, 0)
