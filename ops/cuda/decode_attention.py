@@ -16,7 +16,7 @@ A query at position p uses the splits 0 .. p // SPLIT: the same for every batch 
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, float64
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decoding import block_max
@@ -96,20 +96,40 @@ def _attend(q, k_cache, v_cache, pos, part_max, part_sum, part_o):
     cuda.syncthreads()
     key = first + tid
     score = float32(-math.inf)
-    if key <= p:
+    if key <= p:   # the key's row, four loads in flight at a time (D is even; the sums stay in order)
         dot = float32(0.0)
-        for d in range(D):
+        d = 0
+        while d + 3 < D:
+            k0, k1, k2, k3 = k_cache[b, key, g, d], k_cache[b, key, g, d + 1], k_cache[b, key, g, d + 2], \
+                k_cache[b, key, g, d + 3]
+            dot += q_row[d] * k0
+            dot += q_row[d + 1] * k1
+            dot += q_row[d + 2] * k2
+            dot += q_row[d + 3] * k3
+            d += 4
+        while d < D:
             dot += q_row[d] * k_cache[b, key, g, d]
+            d += 1
         score = dot * (float32(1.0) / math.sqrt(float32(D)))
     top = block_max(score)
     e = math.exp(score - top) if key <= p else float32(0.0)
     weights[tid] = e
-    total = runtime.block_sum(e)            # synchronises: weights are complete after it
+    total = runtime.block_sum(float64(e))   # synchronises: weights are complete after it
     n_keys = min(SPLIT, p + 1 - first)
-    for d in range(tid, D, SPLIT):
+    for d in range(tid, D, SPLIT):   # one dimension of the weighted values, keys in order, four loads in flight
         acc = float32(0.0)
-        for i in range(n_keys):
+        i = 0
+        while i + 3 < n_keys:
+            v0, v1, v2, v3 = v_cache[b, first + i, g, d], v_cache[b, first + i + 1, g, d], \
+                v_cache[b, first + i + 2, g, d], v_cache[b, first + i + 3, g, d]
+            acc += weights[i] * v0
+            acc += weights[i + 1] * v1
+            acc += weights[i + 2] * v2
+            acc += weights[i + 3] * v3
+            i += 4
+        while i < n_keys:
             acc += weights[i] * v_cache[b, first + i, g, d]
+            i += 1
         part_o[bth, split, d] = acc
     if tid == 0:
         part_max[bth, split] = top
