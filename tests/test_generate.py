@@ -168,6 +168,22 @@ def test_decoders_are_reused_and_follow_training(cycle_model):
     assert after == decode(model, PROMPTS[:2], 8, True) and after != before
 
 
+def test_pytorch_peer_decodes_the_same_tokens(cycle_model):
+    """The benchmark's PyTorch peer (static KV cache) decodes greedily what nanoeuler decodes."""
+    torch = pytest.importorskip("torch")
+    from nanoeuler_core.bench.torch_peer import TorchModel
+
+    peer = TorchModel(cycle_model.cfg).load(cycle_model.params).setup_cache(1, cycle_model.cfg.ctx_len)
+    prompt = PROMPTS[2]
+    with torch.no_grad():
+        token = peer.next_token(torch.tensor([prompt]), torch.arange(len(prompt)))
+        tokens = [int(token)]
+        for position in range(len(prompt), cycle_model.cfg.ctx_len - 1):
+            token = peer.next_token(token, torch.tensor([position]))
+            tokens.append(int(token))
+    assert tokens == decode(cycle_model, [prompt], len(tokens), speculative=False)[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # text API and command line
 

@@ -4,7 +4,7 @@ benchmark (the engine never imports it).
 Same math as SPEC.md section 1 and the same parameter names and layout, so
 `TorchModel(cfg).load(model.params)` runs the very weights of a nanoeuler model. Decoding uses a
 static KV cache, gpt-fast style: `setup_cache(batch, length)` allocates it once, and
-`decode(ids, pos)` feeds tokens at positions `pos` with fixed shapes, so torch.compile can
+`next_token(ids, pos)` feeds tokens at positions `pos` with fixed shapes, so torch.compile can
 capture one step as a CUDA graph (mode="reduce-overhead").
 """
 
@@ -53,11 +53,16 @@ class TorchModel(torch.nn.Module):
     def w(self, name):
         return self.p[name.replace(".", "_")]
 
-    def hidden(self, ids):
+    def hidden(self, ids, pos=None):
+        """ids (B, T) -> the final norm's output (B, T, C). With `pos` (T,), the tokens sit at those
+        positions and attend the static KV cache (setup_cache), which receives their keys and values."""
         cfg = self.cfg
         B, T = ids.shape
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        cos, sin = rope_tables(T, D, cfg.rope_theta, device=ids.device)
+        if pos is None:
+            cos, sin = rope_tables(T, D, cfg.rope_theta, device=ids.device)
+        else:
+            cos, sin, mask = self.rope_cos[pos], self.rope_sin[pos], self.causal[pos]  # query at p sees keys 0..p
         x = self.w("tok_emb")[ids]
         for i in range(cfg.n_layers):
             L = lambda n: self.w(f"layers.{i}.{n}")  # noqa: E731
@@ -65,7 +70,13 @@ class TorchModel(torch.nn.Module):
             q = rope((h @ L("wq").T).view(B, T, H, D), cos, sin).transpose(1, 2)
             k = rope((h @ L("wk").T).view(B, T, KV, D), cos, sin).transpose(1, 2)
             v = (h @ L("wv").T).view(B, T, KV, D).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if pos is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                self.k_cache[i][:, :, pos] = k
+                self.v_cache[i][:, :, pos] = v
+                o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
+                                                   enable_gqa=True)
             x = x + o.transpose(1, 2).reshape(B, T, H * D) @ L("wo").T
             h = rmsnorm(x, L("ffn_norm"), cfg.norm_eps)
             x = x + (F.silu(h @ L("w_gate").T) * (h @ L("w_up").T)) @ L("w_down").T
@@ -102,28 +113,7 @@ class TorchModel(torch.nn.Module):
                              persistent=False)
         return self
 
-    def decode(self, ids, pos):
-        """ids (B, T) at positions pos (T,) -> head-0 logits (B, T, V); their keys and values go into the cache."""
-        cfg = self.cfg
-        B, T = ids.shape
-        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
-        mask = self.causal[pos]   # (T, length): query at p sees keys 0..p
-        x = self.w("tok_emb")[ids]
-        for i in range(cfg.n_layers):
-            L = lambda n: self.w(f"layers.{i}.{n}")  # noqa: E731
-            h = rmsnorm(x, L("attn_norm"), cfg.norm_eps)
-            q = rope((h @ L("wq").T).view(B, T, H, D), cos, sin).transpose(1, 2)
-            k = rope((h @ L("wk").T).view(B, T, KV, D), cos, sin).transpose(1, 2)
-            v = (h @ L("wv").T).view(B, T, KV, D).transpose(1, 2)
-            self.k_cache[i][:, :, pos] = k
-            self.v_cache[i][:, :, pos] = v
-            o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask, enable_gqa=True)
-            x = x + o.transpose(1, 2).reshape(B, T, H * D) @ L("wo").T
-            h = rmsnorm(x, L("ffn_norm"), cfg.norm_eps)
-            x = x + (F.silu(h @ L("w_gate").T) * (h @ L("w_up").T)) @ L("w_down").T
-        return rmsnorm(x, self.w("norm"), cfg.norm_eps) @ self.w("heads.0").T
-
     def next_token(self, ids, pos):
-        """Greedy decoding's step: the argmax of head 0 after the last of `ids` (B, T) -> (B, 1)."""
-        return self.decode(ids, pos)[:, -1].argmax(-1, keepdim=True)
+        """Greedy decoding with the KV cache: ids (B, T) at positions pos (T,) -> head 0's argmax after
+        the last of them (B, 1)."""
+        return (self.hidden(ids, pos)[:, -1] @ self.w("heads.0").T).argmax(-1, keepdim=True)
