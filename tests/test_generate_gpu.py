@@ -101,3 +101,13 @@ def test_cuda_generation(cycle_model):  # noqa: F811
         batch = decode(model, PROMPTS, 30, speculative, sampling, seeds=[7, 8, 9, 10])
         assert batch == [decode(model, [p], 30, speculative, sampling, seeds=[7 + i])[0] for i, p in enumerate(PROMPTS)]
         assert batch == decode(model, PROMPTS, 30, speculative, sampling, seeds=[7, 8, 9, 10], capture=False)
+
+
+def test_batch_too_large_for_the_gpu_is_one_clear_error():
+    from nanoeuler_core import Model, ModelConfig
+    from nanoeuler_core.inference.decode import decoder_for
+
+    model = Model(ModelConfig.preset("gpu"), backend="cuda")
+    with pytest.raises(ValueError, match="rows needs .* GiB .* memory free on the device"):
+        decoder_for(model, 200_000, False, Sampling())   # a 1.7 TB KV cache
+    assert decoder_for(model, 1, False, Sampling()).generate([[1, 2, 3]], 4, [0])   # still usable after

@@ -65,7 +65,7 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
         times.append(time.perf_counter() - t)
     memory = _device_memory_mb() if backend == "cuda" else _peak_rss_mb()
     return {"median_s": statistics.median(times), "memory_mb": memory, "tokens": out[0],
-            "acceptance": stats.acceptance, "per_step": stats.tokens / max(1, stats.steps * batch_size)}
+            "acceptance": stats.acceptance, "per_step": stats.tokens_per_step}
 
 
 def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, compile) -> dict:

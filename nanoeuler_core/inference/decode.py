@@ -89,11 +89,13 @@ class Sampling:
 
 @dataclass
 class DecodeStats:
-    """What a generation did: new tokens, decoding steps after the prefill, speculative proposals
-    offered and kept, and wall-clock seconds (prefill included)."""
+    """What a generation did: new tokens, decoding steps after the prefill (and steps summed over
+    the rows still decoding), speculative proposals offered and kept, and wall-clock seconds
+    (prefill included)."""
 
     tokens: int = 0
     steps: int = 0
+    row_steps: int = 0
     proposed: int = 0
     accepted: int = 0
     seconds: float = 0.0
@@ -114,17 +116,21 @@ class DecodeStats:
         text = f"{self.tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_s:,.0f} tokens/s"
         text += f", {self.rows} rows)" if self.rows > 1 else ")"
         if self.speculative:
-            per_step = self.tokens / max(1, self.steps * max(1, self.rows))
             text += (f"; speculative: {self.accepted}/{self.proposed} proposals accepted ({self.acceptance:.0%}), "
-                     f"{per_step:.2f} tokens per row and step")
+                     f"{self.tokens_per_step:.2f} tokens per row and step")
         return text
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a row gains per decoding step: 1 plus the proposals it keeps."""
+        return (self.row_steps + self.accepted) / self.row_steps if self.row_steps else 0.0
 
 
 def adjacent_rows(model, names: list[str]):
     """The named matrices stacked by rows, (sum of their rows, C), as a view of the parameter
     buffer; None unless they lie next to each other there (the model's layout keeps wq, wk, wv,
     then w_gate, w_up, and the heads, adjacent)."""
-    first, (_, shape) = model.layout[names[0]][0], model.layout[names[0]]
+    first, shape = model.layout[names[0]]
     end = first
     for name in names:
         offset, shape_i = model.layout[name]
@@ -284,11 +290,12 @@ class Decoder:
         start = time.perf_counter()
         rows = [_Row(b, list(prompt), max_new_tokens, eos_id, on_token) for b, prompt in enumerate(prompts)]
         with one_cpu_thread(self.model.backend_name):
-            steps, proposed, accepted = self._decode(rows, seeds)
+            steps, row_steps, accepted = self._decode(rows, seeds)
         if stats is not None:
             stats.tokens += sum(len(row.new) for row in rows)
             stats.steps += steps
-            stats.proposed += proposed
+            stats.row_steps += row_steps
+            stats.proposed += row_steps * (self.K - 1)
             stats.accepted += accepted
             stats.seconds += time.perf_counter() - start
             stats.speculative = self.speculative
@@ -296,7 +303,8 @@ class Decoder:
         return [row.new for row in rows]
 
     def _decode(self, rows: list["_Row"], seeds: list[int]) -> tuple[int, int, int]:
-        """Prefill, then step until every row is done; returns (steps, proposals made, proposals kept)."""
+        """Prefill, then step until every row is done; returns (steps, steps summed over the rows
+        decoding, proposals kept)."""
         ctx, be = self.cfg.ctx_len, self.be
         self._refresh_copies()
         be.copy_(self.seeds, np.array([seed % MAX_SEED for seed in seeds], dtype=np.int64))
@@ -306,7 +314,7 @@ class Decoder:
         pending = np.array(be.to_host(self.tokens))  # per row: the next token (already kept), then proposals
         for row in rows:
             row.keep(pending[row.b, :1])
-        steps = proposed = accepted = 0
+        steps = row_steps = accepted = 0
         while True:
             for row in rows:
                 if row.active and row.position == ctx:  # the cache is full: slide the window by half a context
@@ -316,14 +324,14 @@ class Decoder:
                     pending[row.b] = np.array(be.to_host(self.tokens[row.b:row.b + 1]))[0]
                     row.keep(pending[row.b, :1])
             if not any(row.active for row in rows):
-                return steps, proposed, accepted
+                return steps, row_steps, accepted
             kept = self._advance()
             tokens = np.array(be.to_host(self.tokens))
             steps += 1
             for row in rows:
                 if row.active:
                     m = int(kept[row.b])
-                    proposed += self.K - 1
+                    row_steps += 1
                     accepted += m - 1
                     row.position += m
                     row.keep(np.concatenate((pending[row.b, 1:m], tokens[row.b, :1])))
