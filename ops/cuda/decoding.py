@@ -13,7 +13,7 @@ kernels are bound by memory bandwidth: one block per output row keeps enough rea
 
 import math
 
-from numba import cuda, float32
+from numba import cuda, float32, float64
 
 from nanoeuler_ops.cuda.runtime import SIMULATOR, WARP, warp_max, warp_sum
 
@@ -43,17 +43,36 @@ def block_total(partial, slot, r):
     return total
 
 
+# Block-wide reductions for the decoding kernels. The caller passes `scratch`, a shared float64
+# array of 32: a shared array declared inside a device function that a kernel reaches through two
+# paths is defined twice when the kernel links (NVVM: "symbol multiply defined"). Every thread of
+# the block must call them.
+
 @cuda.jit(device=True)
-def block_max(x):
-    """Max of x over the whole (1-D) block, returned to every thread. Every thread calls it."""
-    per_warp = cuda.shared.array(32, float32)
+def block_sum_with(x, scratch):
+    """Sum of x over the whole (1-D) block in float64, to every thread; warps added in order."""
     lane = cuda.threadIdx.x % WARP
     warp = cuda.threadIdx.x // WARP
-    x = warp_max(x)
+    x = warp_sum(float64(x))
     if lane == 0:
-        per_warp[warp] = x
+        scratch[warp] = x
     cuda.syncthreads()
-    x = per_warp[lane] if lane < (cuda.blockDim.x + WARP - 1) // WARP else float32(-math.inf)
+    x = scratch[lane] if lane < (cuda.blockDim.x + WARP - 1) // WARP else float64(0.0)
+    x = warp_sum(x)
+    cuda.syncthreads()   # scratch may be reused by the next call
+    return x
+
+
+@cuda.jit(device=True)
+def block_max_with(x, scratch):
+    """Max of x over the whole (1-D) block in float64, to every thread."""
+    lane = cuda.threadIdx.x % WARP
+    warp = cuda.threadIdx.x // WARP
+    x = warp_max(float64(x))
+    if lane == 0:
+        scratch[warp] = x
+    cuda.syncthreads()
+    x = scratch[lane] if lane < (cuda.blockDim.x + WARP - 1) // WARP else float64(-math.inf)
     x = warp_max(x)
-    cuda.syncthreads()   # per_warp may be reused by the next call
+    cuda.syncthreads()
     return x

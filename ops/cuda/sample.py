@@ -12,6 +12,7 @@ split among its threads:
   a draw     each thread sums a contiguous chunk of the weights, thread 0 walks the chunk sums and
              then the chosen chunk, in vocabulary order.
 The distributions are written to scratch rows in global memory, so any vocabulary size fits.
+The helpers take their shared memory from the kernel (see nanoeuler_ops/cuda/decoding.py).
 """
 
 import math
@@ -21,7 +22,7 @@ from numba import cuda, float32, float64, int64
 
 from nanoeuler_ops import sample as spec
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import block_max
+from nanoeuler_ops.cuda.decoding import block_max_with, block_sum_with
 from nanoeuler_ops.sample import STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_SAMPLE, check_args
 
 THREADS = 64 if runtime.SIMULATOR else 256   # a power of two; two warps under the simulator keep it quick
@@ -37,10 +38,8 @@ def _key(bits):
 
 
 @cuda.jit(device=True)
-def _argmax(row):
-    # row (V,) -> the first index of its largest value, to every thread
-    values = cuda.shared.array(MAX_THREADS, float32)
-    index = cuda.shared.array(MAX_THREADS, int64)
+def _argmax(row, values, index):
+    # row (V,) -> the first index of its largest value, to every thread; values, index (MAX_THREADS,) shared
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     V = row.shape[0]
     best, best_i = float32(-math.inf), int64(V)
@@ -65,8 +64,9 @@ def _argmax(row):
 
 
 @cuda.jit(device=True)
-def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits):
-    # logits z (V,) and their bits -> p (V,) the distribution to draw from (p_bits: its bits)
+def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits, scratch):
+    # logits z (V,) and their bits -> p (V,) the distribution to draw from (p_bits: its bits);
+    # scratch: shared (32,) float64
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     V = z.shape[0]
     cut = int64(-(2**31))
@@ -78,7 +78,7 @@ def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits):
             for i in range(tid, V, nt):
                 if _key(z_bits[i]) >= mid:
                     count += 1.0
-            if runtime.block_sum(count) >= top_k:
+            if block_sum_with(count, scratch) >= top_k:
                 low = mid
             else:
                 high = mid - 1
@@ -87,13 +87,13 @@ def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits):
     for i in range(tid, V, nt):
         if _key(z_bits[i]) >= cut:
             top = max(top, z[i] / temperature)
-    top = block_max(top)
+    top = float32(block_max_with(top, scratch))
     total = 0.0
     for i in range(tid, V, nt):
         e = math.exp(z[i] / temperature - top) if _key(z_bits[i]) >= cut else float32(0.0)
         p[i] = e
         total += e
-    total = runtime.block_sum(total)
+    total = block_sum_with(total, scratch)
     for i in range(tid, V, nt):
         p[i] = p[i] / total
     if top_p < 1:   # cut = the largest probability whose tokens at or above it hold >= top_p of the mass
@@ -104,7 +104,7 @@ def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits):
             for i in range(tid, V, nt):
                 if p_bits[i] >= mid:
                     mass += p[i]
-            if runtime.block_sum(mass) >= top_p:
+            if block_sum_with(mass, scratch) >= top_p:
                 low = mid
             else:
                 high = mid - 1
@@ -113,25 +113,24 @@ def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits):
             if p_bits[i] < low:
                 p[i] = 0.0
             total += p[i]
-        total = runtime.block_sum(total)
+        total = block_sum_with(total, scratch)
         for i in range(tid, V, nt):
             p[i] = p[i] / total
     cuda.syncthreads()   # p complete for every thread
 
 
 @cuda.jit(device=True)
-def _draw(p, q, residual, u):
+def _draw(p, q, residual, u, chunk_sums, chosen, scratch):
     # weights p (V,), or max(p - q, 0) when `residual` (p when that is all 0) -> the first index
-    # whose cumulative weight exceeds u times the total, to every thread
-    chunk_sums = cuda.shared.array(MAX_THREADS, float64)
-    chosen = cuda.shared.array(1, int64)
+    # whose cumulative weight exceeds u times the total, to every thread; shared chunk_sums
+    # (MAX_THREADS,) float64, chosen (1,) int64, scratch (32,) float64
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     V = p.shape[0]
     if residual:
         mass = 0.0
         for i in range(tid, V, nt):
             mass += max(p[i] - q[i], float32(0.0))
-        residual = runtime.block_sum(mass) > 0
+        residual = int64(1) if block_sum_with(mass, scratch) > 0 else int64(0)
     chunk = (V + nt - 1) // nt
     first, last = tid * chunk, min(V, (tid + 1) * chunk)
     s = 0.0
@@ -176,6 +175,11 @@ def _sample(logits, logit_bits, tokens, drafts, draft_bits, seeds, counters, pos
     # Block b handles row b.
     B, T, K, V = logits.shape
     b = cuda.blockIdx.x
+    values = cuda.shared.array(MAX_THREADS, float32)
+    index = cuda.shared.array(MAX_THREADS, int64)
+    chunk_sums = cuda.shared.array(MAX_THREADS, float64)
+    chosen = cuda.shared.array(1, int64)
+    scratch = cuda.shared.array(32, float64)
     greedy = temperature == 0
     seed, n, start = seeds[b], counters[b], pos[b]
     m = 1
@@ -183,29 +187,34 @@ def _sample(logits, logit_bits, tokens, drafts, draft_bits, seeds, counters, pos
     for i in range(1, max(1, min(T, max_pos - start))):
         y = tokens[b, i]
         if greedy:
-            best = _argmax(logits[b, i - 1, 0])
+            best = _argmax(logits[b, i - 1, 0], values, index)
             if y != best:
                 following = best
                 break
         else:
-            _warp(logits[b, i - 1, 0], logit_bits[b, i - 1, 0], temperature, top_k, top_p, probs[b], prob_bits[b])
+            _warp(logits[b, i - 1, 0], logit_bits[b, i - 1, 0], temperature, top_k, top_p, probs[b], prob_bits[b],
+                  scratch)
             if not _uniform(seed, n + i, STREAM_ACCEPT) * drafts[b, i - 1, y] < probs[b, y]:
-                following = _draw(probs[b], drafts[b, i - 1], True, _uniform(seed, n + i, STREAM_RESIDUAL))
+                following = _draw(probs[b], drafts[b, i - 1], int64(1), _uniform(seed, n + i, STREAM_RESIDUAL),
+                                  chunk_sums, chosen, scratch)
                 break
         m += 1
     if following < 0:
         if greedy:
-            following = _argmax(logits[b, m - 1, 0])
+            following = _argmax(logits[b, m - 1, 0], values, index)
         else:
-            _warp(logits[b, m - 1, 0], logit_bits[b, m - 1, 0], temperature, top_k, top_p, probs[b], prob_bits[b])
-            following = _draw(probs[b], probs[b], False, _uniform(seed, n + m, STREAM_SAMPLE))
+            _warp(logits[b, m - 1, 0], logit_bits[b, m - 1, 0], temperature, top_k, top_p, probs[b], prob_bits[b],
+                  scratch)
+            following = _draw(probs[b], probs[b], int64(0), _uniform(seed, n + m, STREAM_SAMPLE), chunk_sums, chosen,
+                              scratch)
     for j in range(1, K):   # the row's state is written by thread 0 alone, after every thread has read it
         if greedy:
-            proposal = _argmax(logits[b, m - 1, j])
+            proposal = _argmax(logits[b, m - 1, j], values, index)
         else:
             _warp(logits[b, m - 1, j], logit_bits[b, m - 1, j], temperature, top_k, top_p, drafts[b, j - 1],
-                  draft_bits[b, j - 1])
-            proposal = _draw(drafts[b, j - 1], drafts[b, j - 1], False, _uniform(seed, n + m + j, STREAM_DRAFT))
+                  draft_bits[b, j - 1], scratch)
+            proposal = _draw(drafts[b, j - 1], drafts[b, j - 1], int64(0), _uniform(seed, n + m + j, STREAM_DRAFT),
+                             chunk_sums, chosen, scratch)
         if cuda.threadIdx.x == 0:
             tokens[b, j] = proposal
     if cuda.threadIdx.x == 0:
