@@ -146,8 +146,8 @@ def sample_inputs(rng):
     # (B, T, K, V, temperature, top_k, top_p): plain greedy and plain sampling (T = K = 1); the first
     # draw after a prompt (T = 1, K = 3, top-k and top-p); speculative steps, greedy and sampled,
     # with proposals that head 0 agrees with, proposals it does not, and a row capped by max_pos.
-    cases = ((3, 1, 1, 13, 0.0, 0, 1.0), (2, 1, 1, 13, 0.9, 0, 1.0), (2, 1, 3, 11, 1.0, 5, 0.9),
-             (4, 3, 3, 7, 0.0, 0, 1.0), (4, 4, 4, 9, 0.8, 0, 1.0), (3, 3, 3, 10, 1.3, 4, 1.0))
+    cases = ((3, 1, 1, 13, 0.0, 0, 1.0), (2, 1, 1, 13, 0.9, 0, 1.0), (1, 1, 3, 11, 1.0, 5, 0.9),
+             (4, 3, 3, 7, 0.0, 0, 1.0), (4, 4, 4, 9, 0.8, 0, 1.0), (2, 3, 3, 10, 1.3, 4, 1.0))
     for b, t, k, v, temperature, top_k, top_p in cases:
         logits = 2.0 * rng.standard_normal((b, t, k, v))
         drafts = np.stack([[warped(row, temperature or 1.0, top_k, top_p) for row in 2.0 * rng.standard_normal((k - 1, v))]

@@ -25,7 +25,7 @@ from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decoding import block_max_with, block_sum_with
 from nanoeuler_ops.sample import STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_SAMPLE, check_args
 
-THREADS = 64 if runtime.SIMULATOR else 256   # a power of two; two warps under the simulator keep it quick
+THREADS = 32 if runtime.SIMULATOR else 256   # a power of two; one warp keeps the simulator quick
 MAX_THREADS = 256
 _uniform = cuda.jit(device=True)(spec.uniform)
 
