@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import block_max_with, block_sum_with
+from nanoeuler_ops.cuda.decoding import block_reduce
 from nanoeuler_ops.decode_attention import check_shapes
 from nanoeuler_ops.rope import cos_sin
 
@@ -112,10 +112,10 @@ def _attend(q, k_cache, v_cache, pos, part_max, part_sum, part_o):
             dot += q_row[d] * k_cache[b, key, g, d]
             d += 1
         score = dot * (float32(1.0) / math.sqrt(float32(D)))
-    top = float32(block_max_with(score, scratch))
+    top = float32(block_reduce(score, True, scratch))
     e = math.exp(score - top) if key <= p else float32(0.0)
     weights[tid] = e
-    total = block_sum_with(e, scratch)   # synchronises: weights are complete after it
+    total = block_reduce(e, False, scratch)   # synchronises: weights are complete after it
     n_keys = min(SPLIT, p + 1 - first)
     for d in range(tid, D, SPLIT):   # one dimension of the weighted values, keys in order, four loads in flight
         acc = float32(0.0)

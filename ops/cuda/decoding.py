@@ -43,36 +43,25 @@ def block_total(partial, slot, r):
     return total
 
 
-# Block-wide reductions for the decoding kernels. The caller passes `scratch`, a shared float64
-# array of 32: a shared array declared inside a device function that a kernel reaches through two
-# paths is defined twice when the kernel links (NVVM: "symbol multiply defined"). Every thread of
-# the block must call them.
+# A block-wide reduction for the decoding kernels; every thread of the block must call it. The
+# caller passes `scratch`, a shared float64 array of 32: a shared array declared inside a device
+# function that a kernel reaches through two paths is defined twice when the kernel links (NVVM:
+# "symbol multiply defined").
 
 @cuda.jit(device=True)
-def block_sum_with(x, scratch):
-    """Sum of x over the whole (1-D) block in float64, to every thread; warps added in order."""
+def block_reduce(x, take_max, scratch):
+    """Sum (or max, with take_max) of x over the whole (1-D) block in float64, to every thread;
+    warps combined in order."""
     lane = cuda.threadIdx.x % WARP
     warp = cuda.threadIdx.x // WARP
-    x = warp_sum(float64(x))
+    x = warp_max(float64(x)) if take_max else warp_sum(float64(x))
     if lane == 0:
         scratch[warp] = x
     cuda.syncthreads()
-    x = scratch[lane] if lane < (cuda.blockDim.x + WARP - 1) // WARP else float64(0.0)
-    x = warp_sum(x)
+    if lane < (cuda.blockDim.x + WARP - 1) // WARP:
+        x = scratch[lane]
+    else:
+        x = float64(-math.inf) if take_max else float64(0.0)
+    x = warp_max(x) if take_max else warp_sum(x)
     cuda.syncthreads()   # scratch may be reused by the next call
-    return x
-
-
-@cuda.jit(device=True)
-def block_max_with(x, scratch):
-    """Max of x over the whole (1-D) block in float64, to every thread."""
-    lane = cuda.threadIdx.x % WARP
-    warp = cuda.threadIdx.x // WARP
-    x = warp_max(float64(x))
-    if lane == 0:
-        scratch[warp] = x
-    cuda.syncthreads()
-    x = scratch[lane] if lane < (cuda.blockDim.x + WARP - 1) // WARP else float64(-math.inf)
-    x = warp_max(x)
-    cuda.syncthreads()
     return x

@@ -22,7 +22,7 @@ from numba import cuda, float32, float64, int64
 
 from nanoeuler_ops import sample as spec
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import block_max_with, block_sum_with
+from nanoeuler_ops.cuda.decoding import block_reduce
 from nanoeuler_ops.sample import STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_SAMPLE, check_args
 
 THREADS = 32 if runtime.SIMULATOR else 256   # a power of two; one warp keeps the simulator quick
@@ -78,7 +78,7 @@ def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits, scratch):
             for i in range(tid, V, nt):
                 if _key(z_bits[i]) >= mid:
                     count += 1.0
-            if block_sum_with(count, scratch) >= top_k:
+            if block_reduce(count, False, scratch) >= top_k:
                 low = mid
             else:
                 high = mid - 1
@@ -87,13 +87,13 @@ def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits, scratch):
     for i in range(tid, V, nt):
         if _key(z_bits[i]) >= cut:
             top = max(top, z[i] / temperature)
-    top = float32(block_max_with(top, scratch))
+    top = float32(block_reduce(top, True, scratch))
     total = 0.0
     for i in range(tid, V, nt):
         e = math.exp(z[i] / temperature - top) if _key(z_bits[i]) >= cut else float32(0.0)
         p[i] = e
         total += e
-    total = block_sum_with(total, scratch)
+    total = block_reduce(total, False, scratch)
     for i in range(tid, V, nt):
         p[i] = p[i] / total
     if top_p < 1:   # cut = the largest probability whose tokens at or above it hold >= top_p of the mass
@@ -104,7 +104,7 @@ def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits, scratch):
             for i in range(tid, V, nt):
                 if p_bits[i] >= mid:
                     mass += p[i]
-            if block_sum_with(mass, scratch) >= top_p:
+            if block_reduce(mass, False, scratch) >= top_p:
                 low = mid
             else:
                 high = mid - 1
@@ -113,7 +113,7 @@ def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits, scratch):
             if p_bits[i] < low:
                 p[i] = 0.0
             total += p[i]
-        total = block_sum_with(total, scratch)
+        total = block_reduce(total, False, scratch)
         for i in range(tid, V, nt):
             p[i] = p[i] / total
     cuda.syncthreads()   # p complete for every thread
@@ -130,7 +130,7 @@ def _draw(p, q, residual, u, chunk_sums, chosen, scratch):
         mass = 0.0
         for i in range(tid, V, nt):
             mass += max(p[i] - q[i], float32(0.0))
-        residual = int64(1) if block_sum_with(mass, scratch) > 0 else int64(0)
+        residual = int64(1) if block_reduce(mass, False, scratch) > 0 else int64(0)
     chunk = (V + nt - 1) // nt
     first, last = tid * chunk, min(V, (tid + 1) * chunk)
     s = 0.0
