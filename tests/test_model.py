@@ -7,7 +7,6 @@ import pytest
 from nanoeuler_core import Model, ModelConfig, registry
 from nanoeuler_core.engine.checkpoint import CheckpointError
 from nanoeuler_core.engine.gradcheck import check_model_backend, check_model_finite_differences, tiny_batch, tiny_config
-from nanoeuler_core.inference.generate import new_kv_cache, next_logits, sample_token
 
 MODEL_BACKENDS = [b for b, be in registry.backends().items() if b != "reference" and be.available()]
 
@@ -128,29 +127,6 @@ def test_load_reports_bad_run_directories(tmp_path):
     (tmp_path / "run" / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not readable JSON"):
         Model.load(tmp_path / "run")
-
-
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_kv_cache_matches_full_forward(backend):
-    cfg = tiny_config()
-    model = Model(cfg, backend=backend, seed=4)
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, cfg.ctx_len)
-    full = model.forward(ids[None])[0]
-    kv = new_kv_cache(model)
-    steps = [next_logits(model, ids[:3], kv, 0)] + [next_logits(model, ids[t:t + 1], kv, t) for t in range(3, len(ids))]
-    tol = 1e-10 if backend == "reference" else 1e-4
-    np.testing.assert_allclose(steps[0], full[2], atol=tol)
-    np.testing.assert_allclose(np.array(steps[1:]), full[3:], atol=tol)
-
-
-def test_sample_token_filters():
-    rng = np.random.default_rng(0)
-    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
-    assert sample_token(logits, 0.0, None, None, rng) == 0
-    assert {sample_token(logits, 1.0, 2, None, rng) for _ in range(200)} == {0, 1}
-    assert {sample_token(logits, 1.0, None, 0.7, rng) for _ in range(200)} == {0, 1}
-    assert {sample_token(logits, 1.0, None, 0.5, rng) for _ in range(50)} == {0}
-    assert {sample_token(logits, 1.0, None, None, rng) for _ in range(500)} == {0, 1, 2, 3}
 
 
 def test_matches_pytorch_where_installed():

@@ -1,7 +1,11 @@
-"""The nanoeuler architecture in PyTorch, the peer of `nanoeuler-run bench` (the engine never imports it).
+"""The nanoeuler architecture in PyTorch, the peer of `nanoeuler-run bench` and of the decoding
+benchmark (the engine never imports it).
 
 Same math as SPEC.md section 1 and the same parameter names and layout, so
-`TorchModel(cfg).load(model.params)` runs the very weights of a nanoeuler model.
+`TorchModel(cfg).load(model.params)` runs the very weights of a nanoeuler model. Decoding uses a
+static KV cache, gpt-fast style: `setup_cache(batch, length)` allocates it once, and
+`next_token(ids, pos)` feeds tokens at positions `pos` with fixed shapes, so torch.compile can
+capture one step as a CUDA graph (mode="reduce-overhead").
 """
 
 from __future__ import annotations
@@ -49,11 +53,16 @@ class TorchModel(torch.nn.Module):
     def w(self, name):
         return self.p[name.replace(".", "_")]
 
-    def hidden(self, ids):
+    def hidden(self, ids, pos=None):
+        """ids (B, T) -> the final norm's output (B, T, C). With `pos` (T,), the tokens sit at those
+        positions and attend the static KV cache (setup_cache), which receives their keys and values."""
         cfg = self.cfg
         B, T = ids.shape
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        cos, sin = rope_tables(T, D, cfg.rope_theta, device=ids.device)
+        if pos is None:
+            cos, sin = rope_tables(T, D, cfg.rope_theta, device=ids.device)
+        else:
+            cos, sin, mask = self.rope_cos[pos], self.rope_sin[pos], self.causal[pos]  # query at p sees keys 0..p
         x = self.w("tok_emb")[ids]
         for i in range(cfg.n_layers):
             L = lambda n: self.w(f"layers.{i}.{n}")  # noqa: E731
@@ -61,7 +70,13 @@ class TorchModel(torch.nn.Module):
             q = rope((h @ L("wq").T).view(B, T, H, D), cos, sin).transpose(1, 2)
             k = rope((h @ L("wk").T).view(B, T, KV, D), cos, sin).transpose(1, 2)
             v = (h @ L("wv").T).view(B, T, KV, D).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if pos is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                self.k_cache[i][:, :, pos] = k
+                self.v_cache[i][:, :, pos] = v
+                o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
+                                                   enable_gqa=True)
             x = x + o.transpose(1, 2).reshape(B, T, H * D) @ L("wo").T
             h = rmsnorm(x, L("ffn_norm"), cfg.norm_eps)
             x = x + (F.silu(h @ L("w_gate").T) * (h @ L("w_up").T)) @ L("w_down").T
@@ -83,3 +98,22 @@ class TorchModel(torch.nn.Module):
 
     def logits(self, ids):
         return self.hidden(ids) @ self.w("heads.0").T
+
+    def setup_cache(self, batch: int, length: int) -> "TorchModel":
+        """Allocate the static KV cache (layers, batch, KV, length, D), the RoPE tables and the causal mask."""
+        cfg = self.cfg
+        device = self.w("tok_emb").device
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, device=device), persistent=False)
+        cos, sin = rope_tables(length, cfg.head_dim, cfg.rope_theta, device=device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("causal", torch.ones(length, length, dtype=torch.bool, device=device).tril(),
+                             persistent=False)
+        return self
+
+    def next_token(self, ids, pos):
+        """Greedy decoding with the KV cache: ids (B, T) at positions pos (T,) -> head 0's argmax after
+        the last of them (B, 1)."""
+        return (self.hidden(ids, pos)[:, -1] @ self.w("heads.0").T).argmax(-1, keepdim=True)

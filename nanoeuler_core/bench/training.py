@@ -142,7 +142,8 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _run_worker(args: dict) -> dict | None:
+def _run_worker(args: dict, module: str = "nanoeuler_core.bench.training") -> dict | None:
+    """Run `module` as a script in a fresh process with the JSON `args`; its last output line, parsed."""
     import nanoeuler_core
 
     env = dict(os.environ)
@@ -152,7 +153,7 @@ def _run_worker(args: dict) -> dict | None:
         for name in nanoeuler_core.THREAD_ENV_SET_HERE:
             env.pop(name, None)
         first = "import torch; "
-    code = first + "import runpy; runpy.run_module('nanoeuler_core.bench.training', run_name='__main__')"
+    code = first + f"import runpy; runpy.run_module('{module}', run_name='__main__')"
     out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, env=env)
     if out.returncode:
         print(f"{args['engine']} worker failed: {out.stderr.strip()[-1500:]}", file=sys.stderr)

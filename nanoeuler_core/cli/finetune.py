@@ -8,10 +8,11 @@ from typing import Iterator, Optional
 
 import typer
 
-from nanoeuler_core.cli.train import PRECISION_HELP, stream_text
+from nanoeuler_core.cli.train import PRECISION_HELP, SPECULATIVE_HELP, stream_text
 from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.inference.chat import Conversation
-from nanoeuler_core.inference.generate import check_sampling
+from nanoeuler_core.inference.decode import DecodeStats
+from nanoeuler_core.inference.generate import check_sampling, prompt_ids
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.training import dpo, sft
 from nanoeuler_core.training import pretrain as training
@@ -113,9 +114,12 @@ def chat_command(
     top_k: Optional[int] = typer.Option(40, help="sample among the k most likely tokens"),
     top_p: Optional[float] = typer.Option(None, help="sample among the most likely tokens holding this probability"),
     seed: Optional[int] = typer.Option(None, help="seed for reproducible replies"),
+    speculative: Optional[bool] = typer.Option(None, "--speculative/--no-speculative", help=SPECULATIVE_HELP),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
 ) -> None:
-    """Talk to the model in RUN_DIR, one line per message; /reset starts over, /quit leaves."""
+    """Talk to the model in RUN_DIR, one line per message; /reset starts over, /quit leaves. A message
+    that does not fit the context is refused with one line (and, when input is piped, ends the chat
+    with status 1)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     model, tok = load_model(run_dir, backend)
     template = checkpoint.read_json(Path(run_dir) / "config.json").get("training", {}).get("template")
@@ -125,6 +129,7 @@ def chat_command(
     mode = "a conversation in the Alpaca template" if template else "each line continued (a pretrained model)"
     _log(f"{run_dir}: {mode}; /reset starts over, /quit leaves")
     conversation = Conversation()
+    stats = DecodeStats()
     for turn, line in enumerate(_lines("> ")):
         if line.strip() == "/quit":
             break
@@ -135,13 +140,23 @@ def chat_command(
         if not line.strip():
             continue
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        seed=None if seed is None else seed + turn, on_text=stream_text)
-        if template:
-            conversation.say(model, tok, line, **sampling)
-        else:
-            typer.echo(line, nl=False)
-            model.generate(tok, line, **sampling)
+                        seed=None if seed is None else seed + turn, on_text=stream_text, speculative=speculative,
+                        stats=stats)
+        try:
+            if template:
+                conversation.say(model, tok, line, **sampling)
+            else:
+                prompt_ids(tok, line, model.cfg.ctx_len, "the message")  # refused before it is echoed
+                typer.echo(line, nl=False)
+                model.generate(tok, line, **sampling)
+        except ValueError as exc:
+            if not sys.stdin.isatty():
+                raise
+            _log(f"error: {exc}")
+            continue
         typer.echo("")
+    if stats.tokens:
+        _log(stats.line())
 
 
 def register(app: typer.Typer) -> None:

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from nanoeuler_core.inference.decode import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.training import pretrain as training
@@ -75,6 +76,10 @@ def stream_text(piece: str) -> None:
     sys.stdout.flush()
 
 
+SPECULATIVE_HELP = ("self-speculative decoding with the multi-token-prediction heads: the same greedy output, "
+                    "the same sampling distribution (default: on where it is usually faster, --backend cuda)")
+
+
 def generate(
     run_dir: Path = typer.Argument(..., help="a run directory (from pretrain or sft)"),
     prompt: str = typer.Argument("", help="text to continue"),
@@ -82,15 +87,28 @@ def generate(
     temperature: float = typer.Option(0.8, help="0 = greedy"),
     top_k: Optional[int] = typer.Option(None, help="sample among the k most likely tokens"),
     top_p: Optional[float] = typer.Option(None, help="sample among the most likely tokens holding this probability"),
-    seed: Optional[int] = typer.Option(None, help="seed for reproducible samples"),
+    seed: Optional[int] = typer.Option(None, help="seed for reproducible samples (sample i uses seed + i)"),
+    num_samples: int = typer.Option(1, help="continuations of PROMPT, generated together as one batch"),
+    speculative: Optional[bool] = typer.Option(None, "--speculative/--no-speculative", help=SPECULATIVE_HELP),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
 ) -> None:
-    """Continue PROMPT with the model in RUN_DIR, streaming tokens as they come."""
+    """Continue PROMPT with the model in RUN_DIR, streaming tokens as they come (several samples:
+    each printed whole, separated by a line '---'); speed and acceptance go to stderr."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if num_samples < 1:
+        raise ValueError(f"--num-samples must be at least 1, got {num_samples}")
     model, tok = load_model(run_dir, backend)
-    typer.echo(prompt, nl=False)
-    model.generate(tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, on_text=stream_text)
-    typer.echo("")
+    stats = DecodeStats()
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                    speculative=speculative, stats=stats)
+    if num_samples == 1:
+        typer.echo(prompt, nl=False)
+        model.generate(tok, prompt, on_text=stream_text, **sampling)
+        typer.echo("")
+    else:
+        texts = model.generate_batch(tok, [prompt] * num_samples, **sampling)
+        typer.echo("\n---\n".join(prompt + text for text in texts))
+    typer.echo(stats.line(), err=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -437,6 +437,12 @@ class Model:
 
         return generate(self, tok, prompt, *args, **sampling)
 
+    def generate_batch(self, tok, prompts: list[str], *args, **sampling) -> list[str]:
+        """Continue every prompt at once. See nanoeuler_core.inference.generate.generate_batch."""
+        from nanoeuler_core.inference.generate import generate_batch
+
+        return generate_batch(self, tok, prompts, *args, **sampling)
+
     def chat(self, tok, messages: list[dict], **sampling) -> str:
         """Reply to a conversation of {"role", "content"} messages. See nanoeuler_core.inference.chat."""
         from nanoeuler_core.inference.chat import chat

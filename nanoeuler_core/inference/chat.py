@@ -11,7 +11,7 @@ one instruction/response section per turn:
 
 A single turn renders exactly as an SFT example without input. When the conversation does not
 fit the context with room left for the reply, the oldest turns are dropped first; the latest
-message always stays (if it alone is too long, its start is cut by `generate`).
+message always stays (if it alone does not fit the context, `chat` raises ValueError).
 """
 
 from __future__ import annotations
@@ -70,16 +70,18 @@ def fit_context(tok, messages: list[dict], ctx_len: int, reply_room: int) -> lis
 
 
 def chat(model, tok, messages: list[dict], max_new_tokens: int = 200, temperature: float = 0.8,
-         top_k: int | None = None, top_p: float | None = None, seed: int | None = None, on_text=None) -> str:
+         top_k: int | None = None, top_p: float | None = None, seed: int | None = None, on_text=None,
+         speculative: bool | None = None, stats=None) -> str:
     """The model's reply to the conversation `messages` (see the module docstring), up to `</s>`.
 
     `on_text(piece)` receives the reply as it is produced. The reply is not appended to `messages`.
+    `speculative` and `stats` are generate's (nanoeuler_core.inference.generate).
     """
     check_messages(messages)
     reply_room = min(max_new_tokens, model.cfg.ctx_len // 4)
     prompt = render(fit_context(tok, messages, model.cfg.ctx_len, reply_room))
     return model.generate(tok, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                          top_p=top_p, seed=seed, on_text=on_text)
+                          top_p=top_p, seed=seed, on_text=on_text, speculative=speculative, stats=stats)
 
 
 class Conversation:

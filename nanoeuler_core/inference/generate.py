@@ -1,6 +1,18 @@
-"""Generation: a KV cache per sequence, one position per new token, sampling on the host.
+"""Generation: text in, text out, one prompt or a batch, plain or self-speculative decoding
+(nanoeuler_core/inference/decode.py does the decoding).
 
-Shapes: ctx_len positions, KV key/value heads of D dims; logits (V,) from head 0.
+    generate(model, tok, "It was", max_new_tokens=50, temperature=0.8, top_k=40, seed=0) -> str
+    generate_batch(model, tok, ["It was", "The king"], max_new_tokens=50, seed=0) -> list[str]
+
+Row i of a batch generates exactly what generate(prompts[i], seed=seed + i) does (each row has its
+own random stream, and a row's computation does not depend on the batch), so `--num-samples N`
+of one prompt gives N different samples, each reproducible alone.
+
+`speculative`: None picks the faster mode for the backend (SPECULATIVE_BY_DEFAULT). Speculative
+decoding gives the same greedy output as plain decoding, and samples from the same distribution.
+
+Prompts: up to ctx_len tokens (an empty prompt starts from `</s>`); a longer one is an error.
+Generation may run past the context: the cache then slides by half a context (decode.py).
 """
 
 from __future__ import annotations
@@ -9,63 +21,83 @@ import codecs
 
 import numpy as np
 
+from nanoeuler_core.inference.decode import MAX_SEED, DecodeStats, Sampling, decoder_for
 
-def new_kv_cache(model) -> list:
-    """Per block, keys and values (ctx_len, KV, D) for every position of one sequence."""
-    cfg = model.cfg
-    shape = (cfg.ctx_len, cfg.n_kv_heads, cfg.head_dim)
-    return [(model.backend.zeros(shape), model.backend.zeros(shape)) for _ in range(cfg.n_layers)]
-
-
-def next_logits(model, ids, kv: list, start: int) -> np.ndarray:
-    """Feed tokens `ids` at positions start.. into the KV cache; head-0 logits (V,) after the last one."""
-    ids, ids_dev = model._upload_ids(np.asarray(ids, dtype=np.int64).reshape(1, -1))
-    if start + ids.shape[1] > model.cfg.ctx_len:
-        raise ValueError(f"positions {start}..{start + ids.shape[1] - 1} exceed ctx_len={model.cfg.ctx_len}")
-    h_final, _, _ = model._forward(ids_dev, *ids.shape, kv, start)
-    last = h_final[h_final.shape[0] - 1:]
-    logits, _ = model.ops.linear.forward(last, model.weights["heads.0"])
-    return np.asarray(model.backend.to_host(logits), dtype=np.float64)[0]
+# Speculative decoding when `speculative` is None. On a GPU a step over K tokens costs about what a
+# step over one does (reading the weights dominates), so any accepted proposal is a gain. On the
+# CPU the step's arithmetic grows with K, and the small models trained here accept too few
+# proposals to pay for it (bench/RESULTS.md).
+SPECULATIVE_BY_DEFAULT = {"cuda": True, "cpu": False, "reference": False}
 
 
 def generate(model, tok, prompt: str, max_new_tokens: int = 50, temperature: float = 0.8, top_k: int | None = None,
-             top_p: float | None = None, seed: int | None = None, on_text=None, stop_at_eos: bool = True) -> str:
-    """Continue `prompt`; returns the new text (without the prompt).
+             top_p: float | None = None, seed: int | None = None, on_text=None, stop_at_eos: bool = True,
+             speculative: bool | None = None, stats: DecodeStats | None = None) -> str:
+    """Continue `prompt`; returns the new text (without the prompt), stopping at `</s>` unless
+    stop_at_eos is False. `on_text(piece)` receives the text as it is produced (whole UTF-8
+    characters). `stats`, if given, is filled with what the decoding did (DecodeStats)."""
+    return _generate(model, tok, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
+                     speculative, stats, on_text)[0]
 
-    A KV cache makes each new token cost one position. Prompts longer than the context keep
-    their last ctx_len tokens; when the cache is full it is refilled from the last half context.
-    `on_text(piece)` receives the text as it is produced (whole UTF-8 characters). Stops at `</s>`.
-    """
+
+def generate_batch(model, tok, prompts: list[str], max_new_tokens: int = 50, temperature: float = 0.8,
+                   top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                   stop_at_eos: bool = True, speculative: bool | None = None,
+                   stats: DecodeStats | None = None) -> list[str]:
+    """Continue every prompt at once; row i equals generate(prompts[i], seed=seed + i)."""
+    return _generate(model, tok, list(prompts), max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
+                     speculative, stats, None)
+
+
+def _generate(model, tok, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, speculative,
+              stats, on_text) -> list[str]:
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if tok.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} entries but the model's vocab_size is "
                          f"{model.cfg.vocab_size}: use the tokenizer.json saved with the model")
-    ctx = model.cfg.ctx_len
-    ids = (tok.encode(prompt) or [tok.eos_id])[-ctx:]
-    rng = np.random.default_rng(seed)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    kv = new_kv_cache(model)
-    logits = next_logits(model, ids, kv, 0)
-    position, pieces = len(ids), []
-    for _ in range(max_new_tokens):
-        token = sample_token(logits, temperature, top_k, top_p, rng)
-        if stop_at_eos and token == tok.eos_id:
-            break
-        ids.append(token)
-        piece = decoder.decode(tok.token_bytes(token))
+    if not prompts:
+        raise ValueError("no prompts: pass at least one")
+    ids = [prompt_ids(tok, prompt, model.cfg.ctx_len, f"prompt {i}" if len(prompts) > 1 else "the prompt")
+           for i, prompt in enumerate(prompts)]
+    if speculative is None:
+        speculative = SPECULATIVE_BY_DEFAULT.get(model.backend_name, False) and model.cfg.n_mtp > 1
+    decoder = decoder_for(model, len(prompts), speculative, Sampling(temperature, top_k, top_p))
+    base = int(np.random.SeedSequence().entropy % MAX_SEED) if seed is None else seed
+    texts = [TextStream(tok, on_text) for _ in prompts]
+    decoder.generate(ids, max_new_tokens, [base + i for i in range(len(prompts))],
+                     tok.eos_id if stop_at_eos else None, lambda row, token: texts[row].add(token), stats)
+    return [text.finish() for text in texts]
+
+
+def prompt_ids(tok, prompt: str, ctx_len: int, what: str = "the prompt") -> list[int]:
+    """The prompt's token ids (`</s>` for an empty prompt); ValueError if it exceeds the context."""
+    ids = tok.encode(prompt) or [tok.eos_id]
+    if len(ids) > ctx_len:
+        raise ValueError(f"{what} is {len(ids)} tokens, longer than the model's context of {ctx_len} tokens: "
+                         f"shorten it")
+    return ids
+
+
+class TextStream:
+    """Token ids to text as they come: whole UTF-8 characters only, passed to on_text(piece)."""
+
+    def __init__(self, tok, on_text=None):
+        self.tok, self.on_text = tok, on_text
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pieces: list[str] = []
+
+    def add(self, token: int) -> None:
+        self._piece(self.decoder.decode(self.tok.token_bytes(token)))
+
+    def finish(self) -> str:
+        self._piece(self.decoder.decode(b"", final=True))
+        return "".join(self.pieces)
+
+    def _piece(self, piece: str) -> None:
         if piece:
-            pieces.append(piece)
-            if on_text:
-                on_text(piece)
-        if position == ctx:
-            window = ids[-(ctx // 2):]
-            logits, position = next_logits(model, window, kv, 0), len(window)
-        else:
-            logits, position = next_logits(model, [token], kv, position), position + 1
-    tail = decoder.decode(b"", final=True)
-    if tail and on_text:
-        on_text(tail)
-    return "".join(pieces) + tail
+            self.pieces.append(piece)
+            if self.on_text:
+                self.on_text(piece)
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -77,24 +109,3 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, t
         raise ValueError(f"top_k must be at least 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-
-
-def sample_token(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None,
-                 rng: np.random.Generator) -> int:
-    """Draw the next token from logits (V,): greedy at temperature 0, else softmax(logits / T)
-    restricted to the top_k most likely tokens and to the smallest set with probability >= top_p."""
-    if temperature == 0:
-        return int(np.argmax(logits))
-    z = logits / temperature
-    if top_k is not None and top_k < z.size:
-        z = np.where(z >= np.partition(z, -top_k)[-top_k], z, -np.inf)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p is not None and top_p < 1:
-        order = np.argsort(-p)
-        keep = np.cumsum(p[order]) - p[order] < top_p  # the tokens before the mass reaches top_p, plus the one crossing it
-        mask = np.zeros_like(p, dtype=bool)
-        mask[order[keep]] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
-    return int(rng.choice(p.size, p=p))

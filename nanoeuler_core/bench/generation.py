@@ -1,0 +1,194 @@
+"""Decoding speed: nanoeuler's plain and self-speculative decoding against PyTorch on the same
+weights, each with a KV cache, in one run.
+
+Each engine runs in its own process (separate thread pools, compilation caches and peak memory):
+nanoeuler plain, nanoeuler speculative, PyTorch eager with a static KV cache, and on a GPU
+PyTorch with torch.compile(mode="reduce-overhead"): the static cache and one decoding step
+captured as a CUDA graph, as gpt-fast does. Everything is float32 (TF32 off), greedy by default,
+on one CPU thread for both engines on a CPU,
+the same prompt for every row. A run is a full generation (prefill + new tokens) of `tokens` new
+tokens per row; tokens/s is rows x tokens over its wall time, the median of `repeats` runs after
+one warm-up (compilation, graph capture). The speculative speed-up needs trained weights (a
+random model's heads agree with nothing): pass a run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from nanoeuler_core.bench.training import _device_memory_mb, _peak_rss_mb, _run_worker, gpu_name
+
+MODULE = "nanoeuler_core.bench.generation"
+
+
+def load_weights(preset: str, run: str | None, backend: str):
+    """The model (from the run directory, else the preset with seed 0) and a tokenizer or None."""
+    from nanoeuler_core import Model, ModelConfig
+
+    if run is None:
+        return Model(ModelConfig.preset(preset), backend=backend, seed=0), None
+    from nanoeuler_core.inference.loading import load_model
+
+    return load_model(run, backend)
+
+
+def bench_prompt(cfg, tok, length: int) -> list[int]:
+    """`length` tokens: from the end of the bundled corpus (text the run saw little of) when there is a
+    tokenizer, else random ids."""
+    if tok is None:
+        return np.random.default_rng(0).integers(0, cfg.vocab_size, length).tolist()
+    from nanoeuler_core.corpus.tokens import default_corpus
+
+    text = default_corpus().read_text(encoding="utf-8")
+    start = text.index("\n\n", int(len(text) * 0.95)) + 2
+    return tok.encode(text[start:start + 40 * length])[:length]
+
+
+def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, temperature, speculative) -> dict:
+    from nanoeuler_core.inference.decode import DecodeStats, Sampling, decoder_for
+
+    model, tok = load_weights(preset, run, backend)
+    ids = bench_prompt(model.cfg, tok, prompt)
+    decoder = decoder_for(model, batch_size, speculative, Sampling(temperature))
+    seeds = list(range(batch_size))
+    out = decoder.generate([ids] * batch_size, tokens, seeds)   # warm-up: compilation, graph capture
+    times, stats = [], DecodeStats()
+    for _ in range(repeats):
+        t = time.perf_counter()
+        decoder.generate([ids] * batch_size, tokens, seeds, stats=stats)
+        times.append(time.perf_counter() - t)
+    memory = _device_memory_mb() if backend == "cuda" else _peak_rss_mb()
+    return {"median_s": statistics.median(times), "memory_mb": memory, "tokens": out[0],
+            "acceptance": stats.acceptance, "per_step": stats.tokens_per_step}
+
+
+def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, compile) -> dict:
+    import torch
+
+    from nanoeuler_core.bench.torch_peer import TorchModel
+
+    device = "cuda" if backend == "cuda" else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if device == "cpu":
+        torch.set_num_threads(1)   # as nanoeuler's decoding: one token's ops are too small to share out
+    model, tok = load_weights(preset, run, "cpu")
+    ids = bench_prompt(model.cfg, tok, prompt)
+    peer = TorchModel(model.cfg, device=device).load(model.params).to(device)
+    peer.setup_cache(batch_size, len(ids) + tokens)
+    step = torch.compile(peer.next_token, mode="reduce-overhead", fullgraph=True) if compile else peer.next_token
+
+    @torch.no_grad()
+    def generate_greedy():
+        start = torch.tensor([ids] * batch_size, device=device)
+        token = peer.next_token(start, torch.arange(len(ids), device=device))   # the prefill, eager
+        out = [token]
+        position = torch.tensor([len(ids)], device=device)
+        for _ in range(tokens - 1):   # as gpt-fast: tokens and position stay on the device
+            token = step(token, position).clone()
+            position += 1
+            out.append(token)
+        return torch.cat(out, dim=1)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    generate_greedy()
+    first = generate_greedy()   # a second warm-up: CUDA graphs are recorded on a later call
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        generate_greedy()
+        sync()
+        times.append(time.perf_counter() - t)
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        memory = (total - free) / 2**20
+    else:
+        memory = _peak_rss_mb()
+    return {"median_s": statistics.median(times), "memory_mb": memory, "tokens": first[0].tolist(),
+            "torch": torch.__version__}
+
+
+def _agreement(tokens: list[int], reference: list[int]) -> str:
+    """How many leading tokens two greedy decodings share (float32 sums in other orders may part on near-ties)."""
+    same = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        same += 1
+    return f"{same}/{len(reference)}"
+
+
+def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None, batch_size: int = 1,
+        prompt: int = 16, tokens: int = 256, repeats: int = 3, temperature: float = 0.0, peers: bool = True,
+        echo=print) -> dict:
+    """Measure every engine, print a table, return the numbers."""
+    from nanoeuler_core import ModelConfig
+
+    cfg = ModelConfig.preset(preset) if run_dir is None else None
+    if cfg is None:
+        from nanoeuler_core.engine.checkpoint import read_json
+
+        config = read_json(Path(run_dir) / "config.json")
+        cfg = ModelConfig.from_dict({k: v for k, v in config.items() if k not in ("format", "training")})
+    if prompt + tokens > cfg.ctx_len:
+        tokens = cfg.ctx_len - prompt
+        echo(f"(new tokens capped at {tokens}: the prompt and the new tokens fit the context of {cfg.ctx_len})")
+    machine = gpu_name() if backend == "cuda" else "CPU"
+    weights = f"weights of {run_dir}" if run_dir else "random weights (seed 0)"
+    mode = "greedy" if temperature == 0 else f"temperature {temperature}"
+    echo(f"decoding, {cfg.n_params():,} parameters ({weights}), {machine}, batch {batch_size}, prompt {prompt}, "
+         f"{tokens} new tokens, {mode}, float32; median of {repeats} after a warm-up")
+    common = dict(preset=preset, run=run_dir, backend=backend, batch_size=batch_size, prompt=prompt, tokens=tokens,
+                  repeats=repeats)
+    rows = {}
+    for speculative in (False, True):
+        name = "nanoeuler speculative" if speculative else "nanoeuler plain"
+        rows[name] = _run_worker({**common, "engine": "nanoeuler", "temperature": temperature,
+                                  "speculative": speculative}, MODULE)
+    if peers and temperature == 0:
+        try:
+            import torch  # noqa: F401  (only to know whether the peers can run)
+        except ImportError:
+            echo("torch is not installed: no peer comparison (pip install 'nanoeuler[bench]')")
+        else:
+            rows["torch eager, KV cache"] = _run_worker({**common, "engine": "torch", "compile": False}, MODULE)
+            if backend == "cuda":
+                rows["torch compile, static cache + CUDA graphs"] = _run_worker(
+                    {**common, "engine": "torch", "compile": True}, MODULE)
+    plain = rows.get("nanoeuler plain")
+    echo(f"{'engine':<44}{'tokens/s':>10}{'ms/step':>10}{'memory MB':>11}{'vs plain':>10}{'same tokens':>13}")
+    for name, r in rows.items():
+        if r is None:
+            echo(f"{name:<44}{'failed':>10}")
+            continue
+        r["tokens_per_s"] = batch_size * tokens / r["median_s"]
+        ratio = f"{plain['median_s'] / r['median_s']:.2f}" if plain else "-"
+        same = _agreement(r["tokens"], plain["tokens"]) if plain and temperature == 0 else "-"
+        echo(f"{name:<44}{r['tokens_per_s']:>10.0f}{r['median_s'] / tokens * 1e3:>10.3f}{r['memory_mb']:>11.0f}"
+             f"{ratio:>10}{same:>13}")
+    speculative = rows.get("nanoeuler speculative")
+    if speculative:
+        echo(f"speculative decoding: {speculative['acceptance']:.1%} of proposals accepted, "
+             f"{speculative['per_step']:.2f} tokens per row and step")
+    best = max((r["tokens_per_s"] for n, r in rows.items() if r and n.startswith("nanoeuler")), default=0.0)
+    for name, r in rows.items():
+        if r is not None and name.startswith("torch"):
+            echo(f"ratio nanoeuler (best) / {name}: {best / r['tokens_per_s']:.2f}")
+    return {"machine": machine, "rows": rows}
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    engine = spec.pop("engine")
+    result = worker_nanoeuler(**spec) if engine == "nanoeuler" else worker_torch(**spec)
+    print(json.dumps(result))

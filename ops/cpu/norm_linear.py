@@ -1,0 +1,23 @@
+"""RMSNorm + linear for decoding on the CPU. See nanoeuler_ops/norm_linear.py for the math and
+nanoeuler_ops.cpu.decoding.py for how rows stay independent of the batch."""
+
+import numpy as np
+from numba import njit
+
+from nanoeuler_ops.cpu.decoding import matmul_rows, rmsnorm_rows
+from nanoeuler_ops.norm_linear import check_shapes
+
+
+@njit(cache=True)
+def _forward(x, g, w, eps, h, y):
+    # x (N, C), g (C,), w (O, C) -> h (N, C) the normed rows (scratch), y (N, O)
+    rmsnorm_rows(x, g, eps, h)
+    matmul_rows(h, w, y)
+
+
+def forward(x, g, w, *, eps):
+    check_shapes(x, g, w)
+    h = np.empty(x.shape, dtype=x.dtype)
+    y = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
+    _forward(x, g, w, np.float32(eps), h, y)
+    return y, ()

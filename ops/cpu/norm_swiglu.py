@@ -1,0 +1,32 @@
+"""RMSNorm + gate/up projections + SwiGLU for decoding on the CPU. See nanoeuler_ops/norm_swiglu.py
+for the math and nanoeuler_ops.cpu.decoding.py for how rows stay independent of the batch."""
+
+import numpy as np
+from numba import njit
+
+from nanoeuler_ops.cpu.decoding import matmul_rows, rmsnorm_rows
+from nanoeuler_ops.cpu.common import exp32
+from nanoeuler_ops.norm_swiglu import check_shapes
+
+
+@njit(cache=True)
+def _forward(x, g, w, eps, h, gate_up, y):
+    # x (N, C), g (C,), w (2F, C) -> h (N, C), gate_up (N, 2F) (scratch), y (N, F)
+    rmsnorm_rows(x, g, eps, h)
+    matmul_rows(h, w, gate_up)
+    N, F = y.shape
+    for n in range(N):
+        for f in range(F):
+            z = gate_up[n, f]
+            # silu(z) = z / (1 + exp(-z)); exp32 saturates instead of overflowing, so every z is fine
+            y[n, f] = z / (np.float32(1.0) + exp32(-z)) * gate_up[n, F + f]
+
+
+def forward(x, g, w, *, eps):
+    check_shapes(x, g, w)
+    N, F = x.shape[0], w.shape[0] // 2
+    h = np.empty(x.shape, dtype=x.dtype)
+    gate_up = np.empty((N, 2 * F), dtype=x.dtype)
+    y = np.empty((N, F), dtype=x.dtype)
+    _forward(x, g, w, np.float32(eps), h, gate_up, y)
+    return y, ()

@@ -1,0 +1,40 @@
+"""A linear layer added onto the residual stream, for decoding (forward only).
+
+Shapes: x (N, I), w (O, I), r (N, O) -> y (N, O) = r + x @ w.T; saved ().
+
+The Euler steps' updates: r is the stream, x the attention output (w = wo) or the SwiGLU
+activation (w = w_down). Batch-invariant (see norm_linear).
+"""
+
+from nanoeuler_core.registry import Impl, Op, Sample, Tol
+
+
+def check_shapes(x, w, r):
+    """Raise ValueError unless x (N, I), w (O, I) and r (N, O) fit together (every backend calls this)."""
+    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1] or r.shape != (x.shape[0], w.shape[0]):
+        raise ValueError(f"linear_residual: need x (N, I), w (O, I), r (N, O), got {x.shape}, {w.shape}, {r.shape}")
+
+
+def forward(x, w, r):
+    check_shapes(x, w, r)
+    return r + x @ w.T, ()
+
+
+def sample_inputs(rng):
+    # (N, I, O): one row; sizes off every block; fewer outputs than inputs (w_down), enough for the GPU
+    # kernel's unrolled loop and its remainder.
+    for n, i, o in ((1, 3, 4), (6, 21, 7), (9, 70, 12), (5, 300, 3)):
+        x = rng.standard_normal((n, i))
+        w = rng.standard_normal((o, i)) / i ** 0.5
+        r = rng.standard_normal((n, o))
+        yield Sample((x, w, r), name=f"N{n}_I{i}_O{o}")
+
+
+OP = Op(
+    name="linear_residual",
+    summary="Decoding: r + x @ w.T (a residual update), batch-invariant (forward only)",
+    reference=Impl(forward),
+    sample_inputs=sample_inputs,
+    backends={"cpu": "nanoeuler_ops.cpu.linear_residual", "cuda": "nanoeuler_ops.cuda.linear_residual"},
+    tol=Tol(rtol=1e-4, atol=1e-5),
+)

@@ -1,0 +1,49 @@
+"""RMSNorm fused into the linear layer that reads it, for decoding (forward only).
+
+Shapes: x (N, C), g (C,), w (O, C) -> y (N, O); attrs eps; saved ().
+
+    rstd[n] = 1 / sqrt(mean_c x[n, c]^2 + eps)
+    y[n, o] = sum_c (x[n, c] * rstd[n] * g[c]) * w[o, c]
+
+Batch-invariant, as every decoding op: a backend computes row n of y with the same operations
+in the same order whatever N is and wherever the row sits, so a token's result does not depend
+on the tokens decoded beside it (nanoeuler_core/inference/decode.py says why that matters).
+The decoder reads the attention's q, k and v projections (w = [wq; wk; wv]) and the output heads
+(w = [heads.0; heads.1; ...]) through it.
+"""
+
+import numpy as np
+
+from nanoeuler_core.registry import Impl, Op, Sample, Tol
+
+
+def check_shapes(x, g, w):
+    """Raise ValueError unless x (N, C), g (C,) and w (O, C) fit together (every backend calls this)."""
+    if x.ndim != 2 or g.shape != (x.shape[1],) or w.ndim != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"norm_linear: need x (N, C), g (C,), w (O, C), got {x.shape}, {g.shape}, {w.shape}")
+
+
+def forward(x, g, w, *, eps):
+    check_shapes(x, g, w)
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps)
+    return (x * rstd[:, None] * g) @ w.T, ()
+
+
+def sample_inputs(rng):
+    # (N, C, O): one row; rows and features off every block size; more outputs than inputs; enough
+    # features for the GPU kernel's unrolled loop (more than 4 x 64 on the simulator) and its remainder.
+    for n, c, o in ((1, 4, 3), (5, 19, 10), (9, 40, 13), (2, 300, 3)):
+        x = rng.standard_normal((n, c))
+        g = 1.0 + 0.1 * rng.standard_normal(c)
+        w = rng.standard_normal((o, c)) / c ** 0.5
+        yield Sample((x, g, w), {"eps": 1e-5}, name=f"N{n}_C{c}_O{o}")
+
+
+OP = Op(
+    name="norm_linear",
+    summary="Decoding: rmsnorm(x; g) @ w.T in one pass, batch-invariant (forward only)",
+    reference=Impl(forward),
+    sample_inputs=sample_inputs,
+    backends={"cpu": "nanoeuler_ops.cpu.norm_linear", "cuda": "nanoeuler_ops.cuda.norm_linear"},
+    tol=Tol(rtol=1e-4, atol=1e-5),
+)

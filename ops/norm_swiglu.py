@@ -1,0 +1,49 @@
+"""The first half of the feed-forward step fused for decoding (forward only): RMSNorm, the gate
+and up projections, and SwiGLU.
+
+Shapes: x (N, C), g (C,), w (2F, C) = [w_gate; w_up] -> y (N, F); attrs eps; saved ().
+
+    h = rmsnorm(x; g)                                  (as in norm_linear)
+    y[n, f] = silu(h[n] . w[f]) * (h[n] . w[F + f]),   silu(z) = z * sigmoid(z)
+
+Batch-invariant (see norm_linear). The model stores w_gate and w_up next to each other, so the
+decoder passes one view of both.
+"""
+
+import numpy as np
+
+from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_ops.swiglu import forward as swiglu
+
+
+def check_shapes(x, g, w):
+    """Raise ValueError unless x (N, C), g (C,) and w (2F, C) fit together (every backend calls this)."""
+    if x.ndim != 2 or g.shape != (x.shape[1],) or w.ndim != 2 or w.shape[1] != x.shape[1] or w.shape[0] % 2:
+        raise ValueError(f"norm_swiglu: need x (N, C), g (C,), w (2F, C), got {x.shape}, {g.shape}, {w.shape}")
+
+
+def forward(x, g, w, *, eps):
+    check_shapes(x, g, w)
+    F = w.shape[0] // 2
+    h = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
+    return swiglu(h @ w[:F].T, h @ w[F:].T)[0], ()
+
+
+def sample_inputs(rng):
+    # (N, C, F): one row; sizes off every block; a wide hidden layer; features for the GPU kernel's
+    # unrolled loop and its remainder.
+    for n, c, f in ((1, 4, 3), (5, 19, 11), (7, 24, 9), (2, 300, 2)):
+        x = rng.standard_normal((n, c))
+        g = 1.0 + 0.1 * rng.standard_normal(c)
+        w = 2.0 * rng.standard_normal((2 * f, c)) / c ** 0.5  # gates reaching both tails of the sigmoid
+        yield Sample((x, g, w), {"eps": 1e-5}, name=f"N{n}_C{c}_F{f}")
+
+
+OP = Op(
+    name="norm_swiglu",
+    summary="Decoding: silu(h w_gate.T) * (h w_up.T) with h = rmsnorm(x; g), batch-invariant (forward only)",
+    reference=Impl(forward),
+    sample_inputs=sample_inputs,
+    backends={"cpu": "nanoeuler_ops.cpu.norm_swiglu", "cuda": "nanoeuler_ops.cuda.norm_swiglu"},
+    tol=Tol(rtol=1e-4, atol=1e-5),
+)

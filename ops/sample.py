@@ -1,0 +1,180 @@
+"""Choosing the next tokens while decoding (forward only): plain sampling, and the verification
+step of self-speculative decoding with the multi-token-prediction heads.
+
+Shapes: logits (B, T, K, V), the K heads' logits at the T tokens just fed to each row;
+tokens (B, K) int, in place: the T fed tokens in tokens[:, :T] (T <= K), the next ones out;
+drafts (B, K - 1, V), in place: the distributions the fed proposals were drawn from, the new
+ones out; seeds, counters, pos (B,) int, counters and pos in place -> accepted (B,) int; saved ().
+Attrs: temperature (0 = greedy), top_k (0 = off), top_p (1 = off), max_pos.
+
+For row b, tokens[b, 0] is final (it was drawn from head 0) and tokens[b, 1:T] are proposals:
+tokens[b, i] was drawn from drafts[b, i - 1] (head i at the row's previous position) and is
+checked against head 0's distribution at the token before it, logits[b, i - 1, 0]:
+
+    greedy:   kept if it is head 0's argmax there;
+    sampling: kept with probability min(1, p(y) / q(y)) (p: head 0's distribution, q: the draft's);
+              the first one refused is replaced by a draw from normalize(max(0, p - q)).
+
+The fed tokens kept, accepted[b] = m >= 1, are tokens[b, 0] and the proposals before the first
+refusal, capped so that pos[b] + m <= max_pos (at least 1). The output is the next token (the
+replacement, or a draw from head 0 at the last kept token, logits[b, m - 1, 0]) in tokens[b, 0],
+and K - 1 new proposals, head j's draws at that token, in tokens[b, j] (their distributions in
+drafts[b, j - 1]); counters[b] and pos[b] advance by m. This keeps the output distribution exactly
+head 0's (speculative sampling: Leviathan et al. 2023, Chen et al. 2023), and greedy output
+exactly plain greedy decoding's. With K = T = 1 it is plain sampling.
+
+Distributions: softmax(logits / temperature) over the top_k largest logits (ties at the k-th
+kept), then over the most likely tokens holding top_p of the mass (every token at least as likely
+as the least likely one needed). Greedy takes the first largest logit; drafts are then neither
+read nor written. A draw with uniform u in [0, 1) takes the first token whose cumulative weight,
+in vocabulary order, exceeds u times the total.
+
+Randomness is counter-based, the same on every backend: counters[b] is the index, among the
+tokens generated for row b, of tokens[b, 0] (-1: the prompt's last token), and the uniform
+deciding generated token n for a given purpose is uniform(seeds[b], n, stream). A row's output
+thus depends only on its own seed, logits and tokens, never on the batch around it.
+"""
+
+import numpy as np
+
+from nanoeuler_core.registry import Impl, Op, Sample, Tol
+
+STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
+MAX_SEED = 2**62   # seeds lie in [0, MAX_SEED)
+M32 = np.uint64(0xFFFFFFFF)
+
+
+def uniform(seed, counter, stream):
+    """A uniform float64 in [0, 1) from (seed, counter, stream), 0 <= seed < 2^62, 0 <= counter < 2^32.
+
+    Five rounds of the lowbias32 integer hash (C. Wellons) over the 32-bit words of the key, in
+    uint64 arithmetic whose products stay below 2^64: the same bits in NumPy, Numba and CUDA.
+    The backends compile this very function.
+    """
+    s = np.uint64(seed)
+    before_last = h = np.uint64(0x9E3779B9)
+    for word in (np.uint64(stream), s & M32, s >> np.uint64(32), np.uint64(counter) & M32, np.uint64(0x85EBCA6B)):
+        before_last = h
+        h ^= word
+        h ^= h >> np.uint64(16)
+        h = (h * np.uint64(0x7FEB352D)) & M32
+        h ^= h >> np.uint64(15)
+        h = (h * np.uint64(0x846CA68B)) & M32
+        h ^= h >> np.uint64(16)
+    return np.float64((before_last << np.uint64(21)) | (h >> np.uint64(11))) * (1.0 / 9007199254740992.0)
+
+
+def check_args(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p):
+    """Raise ValueError unless shapes and attributes fit together (every backend calls this)."""
+    if logits.ndim != 4:
+        raise ValueError(f"sample: logits must be (B, T, K, V), got {logits.shape}")
+    B, T, K, V = logits.shape
+    if tokens.shape != (B, K) or drafts.shape != (B, K - 1, V) or T > K or \
+            not seeds.shape == counters.shape == pos.shape == (B,):
+        raise ValueError(f"sample: logits {logits.shape} need tokens (B, K), drafts (B, K - 1, V), seeds, counters "
+                         f"and pos (B,) with T <= K; got {tokens.shape}, {drafts.shape}, {seeds.shape}, "
+                         f"{counters.shape}, {pos.shape}")
+    if not temperature >= 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"sample: need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+
+
+def warped(logits, temperature, top_k, top_p):
+    """The distribution a token is drawn from (see the module docstring), float64 (V,)."""
+    z = np.asarray(logits, dtype=np.float64)
+    keep = np.ones(z.size, dtype=bool)
+    if 0 < top_k < z.size:
+        keep = z >= np.sort(z)[z.size - top_k]
+    zt = z / temperature
+    p = np.where(keep, np.exp(zt - zt[keep].max()), 0.0)
+    p /= p.sum()
+    if top_p < 1:
+        ranked = np.sort(p)[::-1]
+        reached = np.nonzero(np.cumsum(ranked) >= top_p)[0]
+        threshold = ranked[reached[0]] if reached.size else 0.0
+        p = np.where(p >= threshold, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def draw(weights, u):
+    """The first index whose cumulative weight exceeds u times the total."""
+    cum = np.cumsum(weights)
+    i = int(np.searchsorted(cum, u * cum[-1], side="right"))
+    return i if i < weights.size else int(np.nonzero(weights)[0][-1])
+
+
+def forward(logits, tokens, drafts, seeds, counters, pos, *, temperature, top_k, top_p, max_pos):
+    check_args(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p)
+    B, T, K, V = logits.shape
+    greedy = temperature == 0
+    accepted = np.empty(B, dtype=np.int64)
+    for b in range(B):
+        seed, n = int(seeds[b]), int(counters[b])
+        m, following = 1, None
+        for i in range(1, max(1, min(T, max_pos - int(pos[b])))):
+            y = int(tokens[b, i])
+            if greedy:
+                best = int(np.argmax(logits[b, i - 1, 0]))
+                if y != best:
+                    following = best
+                    break
+            else:
+                p, q = warped(logits[b, i - 1, 0], temperature, top_k, top_p), drafts[b, i - 1]
+                if not uniform(seed, n + i, STREAM_ACCEPT) * q[y] < p[y]:
+                    residual = np.maximum(p - q, 0.0)
+                    following = draw(residual if residual.sum() > 0 else p, uniform(seed, n + i, STREAM_RESIDUAL))
+                    break
+            m += 1
+        if following is None:
+            head0 = logits[b, m - 1, 0]
+            following = int(np.argmax(head0)) if greedy else \
+                draw(warped(head0, temperature, top_k, top_p), uniform(seed, n + m, STREAM_SAMPLE))
+        tokens[b, 0] = following
+        for j in range(1, K):
+            if greedy:
+                tokens[b, j] = int(np.argmax(logits[b, m - 1, j]))
+            else:
+                drafts[b, j - 1] = warped(logits[b, m - 1, j], temperature, top_k, top_p)
+                tokens[b, j] = draw(drafts[b, j - 1], uniform(seed, n + m + j, STREAM_DRAFT))
+        counters[b] += m
+        pos[b] += m
+        accepted[b] = m
+    return accepted, ()
+
+
+def sample_inputs(rng):
+    # (B, T, K, V, temperature, top_k, top_p): plain greedy and plain sampling (T = K = 1); the first
+    # draw after a prompt (T = 1, K = 3, top-k and top-p); speculative steps, greedy and sampled,
+    # with proposals that head 0 agrees with, proposals it does not, and a row capped by max_pos.
+    cases = ((3, 1, 1, 13, 0.0, 0, 1.0), (2, 1, 1, 13, 0.9, 0, 1.0), (1, 1, 3, 11, 1.0, 5, 0.9),
+             (4, 3, 3, 7, 0.0, 0, 1.0), (4, 4, 4, 9, 0.8, 0, 1.0), (2, 3, 3, 10, 1.3, 4, 1.0))
+    for b, t, k, v, temperature, top_k, top_p in cases:
+        logits = 2.0 * rng.standard_normal((b, t, k, v))
+        drafts = np.stack([[warped(row, temperature or 1.0, top_k, top_p) for row in 2.0 * rng.standard_normal((k - 1, v))]
+                           for _ in range(b)]).reshape(b, k - 1, v)
+        tokens = rng.integers(0, v, (b, k))
+        for row in range(b):  # row r's first r proposals are head 0's (greedy) or the drafts' (sampling) favourites
+            for i in range(1, min(t, row + 1)):
+                tokens[row, i] = np.argmax(logits[row, i - 1, 0]) if temperature == 0 else np.argmax(drafts[row, i - 1])
+            for i in range(row + 1, t):
+                if temperature == 0 and tokens[row, i] == np.argmax(logits[row, i - 1, 0]):
+                    tokens[row, i] = (tokens[row, i] + 1) % v
+        seeds = rng.integers(0, MAX_SEED, b)
+        counters = rng.integers(-1, 50, b)
+        pos = rng.integers(0, 20, b)
+        pos[-1] = 25
+        max_pos = 27  # the last row may keep at most 2 of its fed tokens
+        yield Sample((logits, tokens, drafts, seeds, counters, pos),
+                     {"temperature": temperature, "top_k": top_k, "top_p": top_p, "max_pos": max_pos},
+                     name=f"B{b}_T{t}_K{k}_V{v}_t{temperature}")
+
+
+OP = Op(
+    name="sample",
+    summary="Decoding: draw next tokens; verify speculative proposals (speculative sampling), counter-based RNG",
+    reference=Impl(forward),
+    sample_inputs=sample_inputs,
+    backends={"cpu": "nanoeuler_ops.cpu.sample", "cuda": "nanoeuler_ops.cuda.sample"},
+    tol=Tol(rtol=1e-4, atol=1e-5),
+    inplace=(1, 2, 4, 5),
+)

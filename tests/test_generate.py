@@ -1,0 +1,253 @@
+"""Generation: the decoder against the full forward, speculative against plain decoding (greedy:
+the same tokens; sampling: the same distribution, by a chi-square test), batches against rows
+decoded alone, the captured step against eager launches, the text API, the CLI and its errors.
+
+Most tests run on a tiny model trained for a few seconds on sequences that mostly follow a fixed
+cycle of tokens, so its multi-token heads agree with head 0 often but not always: speculative
+steps both keep and refuse proposals."""
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from nanoeuler_core import Model, ModelConfig
+from nanoeuler_core.engine.optim import AdamW, TrainStep
+from nanoeuler_core.inference.decode import DecodeStats, Decoder, Sampling, decoder_for
+from nanoeuler_core.inference.generate import generate, generate_batch
+from nanoeuler_ops.sample import warped
+
+CYCLE_CFG = ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=48, ctx_len=24, n_mtp=3)
+PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], list(range(16)) + [3] * 8]   # the last fills the context
+
+
+@pytest.fixture(scope="module")
+def cycle_model():
+    """CYCLE_CFG trained 25 steps on sequences where token x is followed by cycle[x] 85% of the time."""
+    model = Model(CYCLE_CFG, backend="cpu", seed=1)
+    rng = np.random.default_rng(0)
+    cycle = rng.permutation(CYCLE_CFG.vocab_size)
+    step = TrainStep(model, AdamW(model))
+    for _ in range(25):
+        seqs = np.empty((16, CYCLE_CFG.ctx_len + 1), dtype=np.int64)
+        for row in seqs:
+            x = rng.integers(CYCLE_CFG.vocab_size)
+            for t in range(row.size):
+                row[t] = x
+                x = cycle[x] if rng.random() > 0.15 else rng.integers(CYCLE_CFG.vocab_size)
+        step(seqs[:, :-1], seqs[:, 1:], 1e-2)
+    return model
+
+
+def on_backend(model, backend):
+    twin = Model(model.cfg, backend=backend)
+    twin.load_params(model.params)
+    return twin
+
+
+def decode(model, prompts, n, speculative, sampling=Sampling(0.0), seeds=None, eos_id=None, stats=None,
+           capture=True):
+    seeds = list(range(len(prompts))) if seeds is None else seeds
+    decoder = Decoder(model, len(prompts), speculative, sampling, capture=capture)
+    return decoder.generate(prompts, n, seeds, eos_id, stats=stats)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_decoding_matches_the_full_forward(cycle_model, backend):
+    """Greedy decoding through the KV cache (prefill, one token per step, and the window sliding
+    when the context is full) picks the argmax of the full forward over the same window."""
+    model = on_backend(cycle_model, backend)
+    prompt, ctx = [2, 7, 1], model.cfg.ctx_len
+    new = decode(model, [prompt], 40, speculative=False)[0]
+    sequence, start = list(prompt), 0
+    for token in new:
+        if len(sequence) - start == ctx:       # the decoder refilled its cache with the last ctx // 2 tokens
+            start = len(sequence) - ctx // 2
+        logits = model.forward(np.array([sequence[start:]]))[0, -1]
+        assert token == int(np.argmax(logits))
+        sequence.append(token)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_speculative_greedy_equals_plain_greedy(cycle_model, backend):
+    model = on_backend(cycle_model, backend)
+    stats = DecodeStats()
+    plain = decode(model, PROMPTS, 50, speculative=False)
+    speculative = decode(model, PROMPTS, 50, speculative=True, stats=stats)
+    assert speculative == plain
+    assert all(len(row) == 50 for row in plain)              # past the context: the window slid
+    assert 0 < stats.accepted < stats.proposed               # proposals both kept and refused
+    assert stats.steps < 50 / 1.5                            # several tokens per step
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(1.0, top_k=5, top_p=0.9)])
+def test_batch_equals_rows_alone(cycle_model, speculative, sampling):
+    """Each row of a batch decodes exactly as alone with its seed (ragged prompts, one filling
+    the context, rows stopping at an end token at different steps)."""
+    eos = 0
+    batch = decode(cycle_model, PROMPTS, 30, speculative, sampling, seeds=[7, 8, 9, 10], eos_id=eos)
+    alone = [decode(cycle_model, [p], 30, speculative, sampling, seeds=[7 + i], eos_id=eos)[0]
+             for i, p in enumerate(PROMPTS)]
+    assert batch == alone
+    assert eos not in sum(batch, [])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_sampling_filters(backend):
+    """The tokens the sample op can draw under greedy, top-k and top-p (500 rows, one seed each)."""
+    from nanoeuler_core import registry
+
+    op = registry.op("sample").impl(backend)
+    be = registry.backend(backend)
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+
+    def drawn(temperature, top_k=0, top_p=1.0, rows=500):
+        state = [be.asarray(a) for a in (np.zeros((rows, 1), np.int64), np.zeros((rows, 0, 4)), np.arange(rows),
+                                          np.zeros(rows, np.int64), np.zeros(rows, np.int64))]
+        op.forward(be.asarray(np.tile(logits, (rows, 1, 1, 1))), *state, temperature=temperature, top_k=top_k,
+                   top_p=top_p, max_pos=100)
+        return set(be.to_host(state[0])[:, 0].tolist())
+
+    assert drawn(0.0) == {0}
+    assert drawn(1.0, top_k=2) == {0, 1}
+    assert drawn(1.0, top_p=0.7) == {0, 1}
+    assert drawn(1.0, top_p=0.5) == {0}
+    assert drawn(1.0) == {0, 1, 2, 3}
+
+
+def test_speculative_sampling_keeps_head0_distribution():
+    """Chi-square test, fixed seeds: the first two tokens drawn by speculative sampling follow head 0's
+    distribution (temperature 0.8, top-k 6), computed exactly from the full forward. The heads are
+    random and sharpened so that proposals are kept about half the time, and a wrong acceptance rule
+    (keeping every proposal, or never replacing one from the residual) fails the test."""
+    cfg = ModelConfig(vocab_size=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=16, ctx_len=8, n_mtp=2)
+    model = Model(cfg, backend="cpu", seed=3)
+    params = model.params
+    model.load_params({n: w * (10.0 if n.startswith("heads.") else 1.0) for n, w in params.items()})
+    sampling, prompt, draws = Sampling(0.8, top_k=6), [3, 1], 4000
+    first = warped(model.forward(np.array([prompt]))[0, -1], 0.8, 6, 1.0)
+    expected = np.array([first[a] * warped(model.forward(np.array([prompt + [a]]))[0, -1], 0.8, 6, 1.0)
+                         for a in range(cfg.vocab_size)])          # P(y1 = a, y2 = b)
+    stats = DecodeStats()
+    rows = decode(model, [prompt] * draws, 2, speculative=True, sampling=sampling, seeds=list(range(draws)),
+                  stats=stats)
+    counts = np.zeros_like(expected)
+    for a, b in rows:
+        counts[a, b] += 1
+    assert 0.2 < stats.acceptance < 0.6
+    keep = expected.reshape(-1) * draws >= 5                        # cells expected at least 5 times
+    observed, predicted = counts.reshape(-1)[keep], expected.reshape(-1)[keep] * draws
+    observed = np.append(observed, draws - observed.sum())
+    predicted = np.append(predicted, draws - predicted.sum())
+    chi2 = float(((observed - predicted) ** 2 / predicted).sum())
+    df = observed.size - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * np.sqrt(2 / (9 * df))) ** 3   # p = 0.001 (Wilson-Hilferty)
+    assert chi2 < critical, (chi2, critical, df)
+
+
+def test_captured_step_equals_eager_steps():
+    """The decode step through Backend.capture (a CUDA graph on a GPU; the function itself on the
+    simulator) gives the tokens of eager launches, and of the CPU. A one-block model and a prefill
+    plus one speculative step keep the simulator quick."""
+    cfg = ModelConfig(vocab_size=11, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=8, ctx_len=6, n_mtp=2)
+    model = Model(cfg, backend="cuda", seed=2)
+    stats = DecodeStats()
+    captured = decode(model, [[1, 2]], 2, speculative=True, stats=stats)
+    assert stats.steps == 1
+    assert captured == decode(model, [[1, 2]], 2, speculative=True, capture=False)
+    assert captured == decode(on_backend(model, "cpu"), [[1, 2]], 2, speculative=True)
+
+
+def test_decoders_are_reused_and_follow_training(cycle_model):
+    model = on_backend(cycle_model, "cpu")
+    decoder = decoder_for(model, 2, True, Sampling(0.0))
+    assert decoder_for(model, 2, True, Sampling(0.0)) is decoder
+    before = decoder.generate(PROMPTS[:2], 8, [0, 1])
+    model.load_params({n: -w for n, w in model.params.items()})   # new weights, same buffers
+    after = decoder.generate(PROMPTS[:2], 8, [0, 1])
+    assert after == decode(model, PROMPTS[:2], 8, True) and after != before
+
+
+def test_pytorch_peer_decodes_the_same_tokens(cycle_model):
+    """The benchmark's PyTorch peer (static KV cache) decodes greedily what nanoeuler decodes."""
+    torch = pytest.importorskip("torch")
+    from nanoeuler_core.bench.torch_peer import TorchModel
+
+    peer = TorchModel(cycle_model.cfg).load(cycle_model.params).setup_cache(1, cycle_model.cfg.ctx_len)
+    prompt = PROMPTS[2]
+    with torch.no_grad():
+        token = peer.next_token(torch.tensor([prompt]), torch.arange(len(prompt)))
+        tokens = [int(token)]
+        for position in range(len(prompt), cycle_model.cfg.ctx_len - 1):
+            token = peer.next_token(token, torch.tensor([position]))
+            tokens.append(int(token))
+    assert tokens == decode(cycle_model, [prompt], len(tokens), speculative=False)[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# text API and command line
+
+
+@pytest.fixture(scope="module")
+def text_model(tok):
+    cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=48,
+                      ctx_len=40, n_mtp=3)
+    return Model(cfg, backend="cpu", seed=5)
+
+
+def test_text_api(text_model, tok):
+    model = text_model
+    assert generate(model, tok, "It was", max_new_tokens=12, temperature=0.9, seed=4) == \
+        model.generate(tok, "It was", max_new_tokens=12, temperature=0.9, seed=4)      # seeded: reproducible
+    batch = model.generate_batch(tok, ["It was", "Add 2 and 3", ""], max_new_tokens=12, temperature=0.9, seed=4)
+    assert batch == [generate(model, tok, p, max_new_tokens=12, temperature=0.9, seed=4 + i)
+                     for i, p in enumerate(["It was", "Add 2 and 3", ""])]
+    pieces = []
+    assert generate(model, tok, "It", max_new_tokens=10, temperature=0.0, on_text=pieces.append) == "".join(pieces)
+    stats = DecodeStats()
+    greedy = generate(model, tok, "It", max_new_tokens=60, temperature=0.0, stop_at_eos=False, speculative=True,
+                      stats=stats)
+    assert greedy == generate(model, tok, "It", max_new_tokens=60, temperature=0.0, stop_at_eos=False,
+                              speculative=False)
+    assert stats.tokens == 60 and stats.speculative and "proposals accepted" in stats.line()
+
+
+def test_errors(text_model, tok):
+    model = text_model
+    with pytest.raises(ValueError, match="longer than the model's context of 40 tokens"):
+        generate(model, tok, "word " * 60)
+    with pytest.raises(ValueError, match="prompt 1 is"):
+        generate_batch(model, tok, ["ok", "word " * 60])
+    with pytest.raises(ValueError, match="no prompts"):
+        generate_batch(model, tok, [])
+    with pytest.raises(ValueError, match="needs .* GiB .* generate fewer rows"):
+        decoder_for(model, 10**8, False, Sampling())
+    single = Model(ModelConfig(**{**model.cfg.to_dict(), "n_mtp": 1}), backend="cpu")
+    with pytest.raises(ValueError, match="n_mtp = 1"):
+        generate(single, tok, "It", speculative=True)
+    assert isinstance(generate(single, tok, "It", max_new_tokens=3), str)   # the default falls back to plain
+
+
+def test_generate_command(tok, tmp_path):
+    from finetune_helpers import make_base_run
+    from nanoeuler_core.cli import app
+
+    run = make_base_run(tmp_path / "run", tok, seed=5, ctx_len=40, n_mtp=3)
+    runner = CliRunner()
+    args = ["generate", str(run), "It was", "--max-new-tokens", "8", "--temperature", "0"]
+    plain = runner.invoke(app, args + ["--no-speculative"])
+    speculative = runner.invoke(app, args + ["--speculative"])
+    assert plain.exit_code == 0 and speculative.exit_code == 0, plain.output
+    assert plain.stdout == speculative.stdout and plain.stdout.startswith("It was")
+    assert "tokens/s" in plain.stderr and "proposals accepted" in speculative.stderr
+    several = runner.invoke(app, ["generate", str(run), "It", "--max-new-tokens", "6", "--num-samples", "3",
+                                  "--seed", "1"])
+    assert several.exit_code == 0 and several.stdout.count("\n---\n") == 2
+    model = Model.load(run)
+    assert several.stdout.split("\n---\n")[1] == "It" + generate(model, tok, "It", max_new_tokens=6, seed=2)
+    for bad, message in ((["--num-samples", "0"], "--num-samples must be at least 1"),
+                         (["--temperature", "-1"], "temperature")):
+        result = runner.invoke(app, ["generate", str(run), "It", *bad])
+        assert result.exit_code != 0 and message in str(result.exception)
+    long = runner.invoke(app, ["generate", str(run), "word " * 60])
+    assert long.exit_code != 0 and "longer than the model's context" in str(long.exception)

@@ -1,0 +1,113 @@
+"""Decoding on a real GPU: the decoding ops against their CPU twins at the `gpu` preset's sizes,
+batch invariance of the CUDA kernels bit for bit, and whole generations (captured CUDA graphs
+against eager launches, speculative against plain, batches against rows alone). Skipped where
+there is no GPU (the simulator covers small shapes through tests/test_ops.py and test_generate.py)."""
+
+import numba
+import numpy as np
+import pytest
+from numba import cuda
+
+from nanoeuler_core import registry
+from nanoeuler_core.engine.gradcheck import run_backend
+from nanoeuler_core.inference.decode import DecodeStats, Sampling
+from nanoeuler_ops.sample import warped
+from test_generate import PROMPTS, cycle_model, decode, on_backend  # noqa: F401  (cycle_model is a fixture)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(bool(numba.config.ENABLE_CUDASIM) or not cuda.is_available(),
+                                 reason="needs a real CUDA GPU")]
+
+C, H, KV, D, F, V, K = 768, 12, 4, 64, 2048, 4096, 4   # the gpu preset
+REL_TOL = 2e-5
+
+
+def _inputs(name, rng, N):
+    normal = rng.standard_normal
+    if name == "norm_linear":
+        return (normal((N, C)), 1 + 0.1 * normal(C), 0.02 * normal((K * V, C))), {"eps": 1e-5}
+    if name == "norm_swiglu":
+        return (normal((N, C)), 1 + 0.1 * normal(C), 0.05 * normal((2 * F, C))), {"eps": 1e-5}
+    if name == "linear_residual":
+        return (normal((N, F)), 0.02 * normal((C, F)), normal((N, C))), {}
+    if name == "decode_attention":
+        B, T, S = 3, N // 3 or 1, 515
+        return (normal((B, T, H + 2 * KV, D)), normal((B, S, KV, D)), normal((B, S, KV, D)),
+                np.array([300, 0, S - 2])), {"n_kv_heads": KV, "theta": 10000.0}
+    raise KeyError(name)
+
+
+def _rel_err(x, y):
+    return float(np.linalg.norm(np.asarray(x, np.float64) - y) / max(np.linalg.norm(y), 1e-30))
+
+
+def _run(name, inputs, attrs, backend):
+    inputs = tuple(x.astype(np.float32) if x.dtype.kind == "f" else x for x in inputs)
+    return run_backend(registry.op(name), backend, inputs, attrs)[0]
+
+
+@pytest.mark.parametrize("name", ["norm_linear", "norm_swiglu", "linear_residual", "decode_attention"])
+@pytest.mark.parametrize("rows", [1, 12])
+def test_cuda_matches_cpu_at_model_size(name, rows):
+    inputs, attrs = _inputs(name, np.random.default_rng(0), rows)
+    gpu, cpu = _run(name, inputs, attrs, "cuda"), _run(name, inputs, attrs, "cpu")
+    errors = [_rel_err(g, c) for g, c in zip(gpu, cpu)]
+    assert all(np.isfinite(e) and e < REL_TOL for e in errors), errors
+
+
+@pytest.mark.parametrize("name", ["norm_linear", "norm_swiglu", "linear_residual", "decode_attention"])
+def test_cuda_rows_do_not_depend_on_the_batch(name):
+    """A row's output is bit for bit the same computed alone or as row 4 of 9 (decode_attention:
+    the last row of 3, fed with 3 tokens or alone with its first)."""
+    inputs, attrs = _inputs(name, np.random.default_rng(1), 9)
+    together = _run(name, inputs, attrs, "cuda")[0]
+    if name == "decode_attention":
+        qkv, k_cache, v_cache, pos = inputs
+        alone = _run(name, (qkv[2:, :1], k_cache[2:], v_cache[2:], pos[2:]), attrs, "cuda")[0]
+        assert np.array_equal(together[2, 0], alone[0, 0])
+    else:
+        alone = _run(name, tuple(x[4:5] if x.ndim == 2 and x.shape[0] == 9 else x for x in inputs), attrs, "cuda")[0]
+        assert np.array_equal(together[4], alone[0])
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, 0, 1.0), (0.8, 0, 1.0), (1.0, 40, 0.9)])
+def test_sample_matches_cpu_at_model_size(temperature, top_k, top_p):
+    rng = np.random.default_rng(2)
+    B = 8
+    logits = 3 * rng.standard_normal((B, K, K, V))
+    drafts = np.stack([[warped(r, temperature or 1.0, top_k, top_p) for r in 3 * rng.standard_normal((K - 1, V))]
+                       for _ in range(B)])
+    tokens = rng.integers(0, V, (B, K))
+    tokens[:, 1] = np.argmax(logits[:, 0, 0], axis=-1) if temperature == 0 else np.argmax(drafts[:, 0], axis=-1)
+    inputs = (logits, tokens, drafts, rng.integers(0, 2**62, B), rng.integers(-1, 100, B), rng.integers(0, 400, B))
+    attrs = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "max_pos": 512}
+    gpu, cpu = _run("sample", inputs, attrs, "cuda"), _run("sample", inputs, attrs, "cpu")
+    for g, c in zip(gpu, cpu):
+        np.testing.assert_allclose(g, c, rtol=1e-4, atol=1e-6)
+
+
+def test_cuda_generation(cycle_model):  # noqa: F811
+    """On the GPU: the captured step equals eager launches, speculative greedy equals plain greedy,
+    a batch equals its rows alone (greedy and sampled), and greedy tokens equal the CPU's."""
+    model = on_backend(cycle_model, "cuda")
+    stats = DecodeStats()
+    plain = decode(model, PROMPTS, 50, speculative=False)
+    assert plain == decode(model, PROMPTS, 50, speculative=False, capture=False)
+    assert plain == decode(model, PROMPTS, 50, speculative=True, stats=stats)
+    assert 0 < stats.accepted < stats.proposed
+    assert plain == decode(cycle_model, PROMPTS, 50, speculative=False)
+    sampling = Sampling(1.0, top_k=5, top_p=0.9)
+    for speculative in (False, True):
+        batch = decode(model, PROMPTS, 30, speculative, sampling, seeds=[7, 8, 9, 10])
+        assert batch == [decode(model, [p], 30, speculative, sampling, seeds=[7 + i])[0] for i, p in enumerate(PROMPTS)]
+        assert batch == decode(model, PROMPTS, 30, speculative, sampling, seeds=[7, 8, 9, 10], capture=False)
+
+
+def test_batch_too_large_for_the_gpu_is_one_clear_error():
+    from nanoeuler_core import Model, ModelConfig
+    from nanoeuler_core.inference.decode import decoder_for
+
+    model = Model(ModelConfig.preset("gpu"), backend="cuda")
+    with pytest.raises(ValueError, match="rows needs .* GiB .* memory free on the device"):
+        decoder_for(model, 200_000, False, Sampling())   # a 1.7 TB KV cache
+    assert decoder_for(model, 1, False, Sampling()).generate([[1, 2, 3]], 4, [0])   # still usable after
