@@ -185,16 +185,11 @@ class Model:
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
         return ids.astype(np.int64)
 
-    def _forward(self, ids, B: int, T: int, kv: list | None = None, start: int = 0):
+    def _forward(self, ids, B: int, T: int):
         """ids (N,) on the backend -> final hidden state (N, C) (after the final norm), per-block
-        caches, and the first norm's input and rstd.
-
-        With a KV cache (generation, B = 1), the tokens sit at positions start .. start + T - 1:
-        their keys and values are appended to `kv` and attention reads every cached position.
-        """
-        cfg, f, be = self.cfg, self.ops, self.backend
+        caches, and the first norm's input and rstd."""
+        cfg, f = self.cfg, self.ops
         N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
-        S = start + T  # key positions visible to the last query
 
         x, _ = f.embedding.forward(ids, self.weights["tok_emb"])
         h_attn, (rstd,) = f.rmsnorm.forward(x, self.layers[0].attn_norm, eps=eps)
@@ -204,14 +199,8 @@ class Model:
             # attention Euler step: x_mid = x + wo(attention(rope(q), rope(k), v)), h_attn = rmsnorm(x)
             qkv, _ = f.linear.forward(h_attn, L.wqkv)
             qkv = qkv.reshape(B, T, (H + 2 * KV) * D)
-            (q, k, v), _ = f.qkv_rope.forward(qkv, n_heads=H, n_kv_heads=KV, theta=cfg.rope_theta, start_pos=start)
-            k_all, v_all = k, v
-            if kv is not None:
-                k_cache, v_cache = kv[i]  # (ctx_len, KV, D) each
-                be.copy_(k_cache[start:S], k.reshape(T, KV, D))
-                be.copy_(v_cache[start:S], v.reshape(T, KV, D))
-                k_all, v_all = k_cache[:S].reshape(1, S, KV, D), v_cache[:S].reshape(1, S, KV, D)
-            o, attn_saved = f.attention.forward(q, k_all, v_all)
+            (q, k, v), _ = f.qkv_rope.forward(qkv, n_heads=H, n_kv_heads=KV, theta=cfg.rope_theta)
+            o, attn_saved = f.attention.forward(q, k, v)
             attn_out, _ = f.linear.forward(o.reshape(N, H * D), L.wo)
             (x_mid, h_ffn), ffn_saved = f.add_rmsnorm.forward(x, attn_out, L.ffn_norm, eps=eps)
             # feed-forward Euler step: x_out = x_mid + w_down(silu(w_gate h) * w_up h), h = rmsnorm(x_mid)

@@ -202,15 +202,15 @@ class Decoder:
             self._copies.append((copy, names))
             return copy
 
-        self.w = SimpleNamespace(tok_emb=m.weights["tok_emb"], norm=m.weights["norm"],
+        self.w = SimpleNamespace(tok_emb=m.master["tok_emb"], norm=m.master["norm"],
                                  heads=stacked([f"heads.{j}" for j in range(self.K)]))
         self.layers = []
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
             self.layers.append(SimpleNamespace(
-                attn_norm=m.weights[p + "attn_norm"], wqkv=stacked([p + "wq", p + "wk", p + "wv"]),
-                wo=m.weights[p + "wo"], ffn_norm=m.weights[p + "ffn_norm"],
-                w_gate_up=stacked([p + "w_gate", p + "w_up"]), w_down=m.weights[p + "w_down"]))
+                attn_norm=m.master[p + "attn_norm"], wqkv=stacked([p + "wq", p + "wk", p + "wv"]),
+                wo=m.master[p + "wo"], ffn_norm=m.master[p + "ffn_norm"],
+                w_gate_up=stacked([p + "w_gate", p + "w_up"]), w_down=m.master[p + "w_down"]))
 
     def _refresh_copies(self) -> None:
         """Copy the current parameters into the stacked buffers that are not views (a captured
@@ -218,7 +218,7 @@ class Decoder:
         for copy, names in self._copies:
             row = 0
             for name in names:
-                w = self.model.weights[name]
+                w = self.model.master[name]
                 self.be.copy_(copy[row:row + w.shape[0]], w)
                 row += w.shape[0]
 
