@@ -330,3 +330,39 @@ def test_errors_are_one_line(corpus_and_tokenizer, tmp_path):
                             text=True, timeout=60)
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1 and "mpi4py is not installed" in lines[0], result.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# on a real GPU (bench/run_gpu_dist.sh runs these)
+
+def _real_gpu() -> bool:
+    import numba
+    from numba import cuda
+
+    return not numba.config.ENABLE_CUDASIM and cuda.is_available()
+
+
+@pytest.mark.gpu
+@needs_mpi
+@pytest.mark.skipif(not _real_gpu(), reason="needs a real CUDA GPU")
+def test_nccl_self_check_on_one_gpu():
+    result = subprocess.run([str(MPIEXEC), "-n", "1", sys.executable, "bench/nccl_selfcheck.py"], capture_output=True,
+                            text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0 and "nccl self-check passed" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.gpu
+@needs_mpi
+@pytest.mark.skipif(not _real_gpu(), reason="needs a real CUDA GPU")
+def test_captured_step_with_nccl_and_zero_equals_the_plain_step_on_one_gpu():
+    """One rank: the NCCL all-reduce (or ZeRO-1's reduce-scatter and all-gather) inside the graph
+    changes nothing: the same losses and norms, step for step, micro-batches included."""
+    histories = []
+    for variant in ("plain", "allreduce", "zero"):
+        result = subprocess.run([str(MPIEXEC), "-n", "1", sys.executable, "bench/bench_dist.py", "--variant", variant,
+                                 "--preset", "small", "--batch-size", "4", "--grad-accum", "2", "--steps", "4",
+                                 "--warmup", "1"], capture_output=True, text=True, timeout=600,
+                                cwd=Path(__file__).parent.parent)
+        assert result.returncode == 0, result.stderr
+        histories.append(orjson.loads(result.stdout.strip().splitlines()[-1])["loss_and_norm"])
+    assert histories[0] == histories[1] == histories[2]

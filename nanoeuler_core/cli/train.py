@@ -55,13 +55,15 @@ def pretrain(
         else:
             tc = training.TrainConfig(preset=preset, backend=backend, corpus=str(corpus) if corpus else None,
                                       tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
-                                      batch_size=batch_size, grad_accum=grad_accum or 1, zero=zero or 0,
+                                      batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
+                                      zero=zero or 0,
                                       lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
                                       ckpt_every=ckpt_every, tf32=tf32, eager=eager)
             run = training.start_run(out, tc, log)
         log_run(run, log)
         log(f"unigram baseline loss: {run.unigram_loss:.3f} nats (a model that ignores context)")
         row, interrupted = training.train(run, log)
+        log(distributed.memory_line(run.model, run.optimizer))
     if interrupted:
         raise typer.Exit(130)
     if job.rank != 0:

@@ -162,6 +162,25 @@ def _select_gpu(local_rank: int, local_size: int) -> None:
         Device(local_rank).set_current()  # the device cuda.core (graphs) and NCCL work on
 
 
+def memory_line(model, optimizer) -> str:
+    """What each rank holds: parameters, gradients and AdamW moments (its shard of them with
+    ZeRO-1) and, on GPUs, the device memory in use on each rank's GPU. Every rank must call it."""
+    item = np.dtype(model.backend.dtype).itemsize
+    state = 2 * (optimizer.hi - optimizer.lo) * item
+    line = (f"memory per rank: parameters and gradients {2 * model.n_params * item / 1e6:,.1f} MB, AdamW moments "
+            f"{state / 1e6:,.1f} MB" + (f" (1/{optimizer.comm.size} of them)" if optimizer.zero else ""))
+    if model.backend_name == "cuda":
+        import numba
+
+        if not numba.config.ENABLE_CUDASIM:
+            from numba import cuda
+
+            free, total = cuda.current_context().get_memory_info()
+            in_use = world().allgather(total - free)
+            line += "; GPU memory in use " + ", ".join(f"{b / 1e9:.2f}" for b in in_use) + " GB (by rank)"
+    return line
+
+
 # ------------------------------------------------------------------------------------------------
 # communicators (the engine's Collectives)
 
@@ -273,6 +292,8 @@ def fail_together():
         else:
             message = "".join(traceback.format_exception(exc)).rstrip()
         if rank != 0:
+            if _WORLD is None:  # MPI did not start: mpiexec will not stop the others; rank 0 speaks for all
+                os._exit(1)
             time.sleep(REPORT_DELAY_S)
         print(f"error: {message}" if rank == 0 else f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
         os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
