@@ -21,7 +21,6 @@ training since the policy is the reference, and the reward accuracy (pairs whose
 
 from __future__ import annotations
 
-import contextlib
 import importlib.resources
 import math
 import time
@@ -30,7 +29,6 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import orjson
 
 from nanoeuler_core import registry
 from nanoeuler_core.engine.optim import lr_at
@@ -38,7 +36,7 @@ from nanoeuler_core.corpus.records import read_records, text_fields
 from nanoeuler_core.inference.chat import TEMPLATE, render_prompt
 from nanoeuler_core.training import distributed
 from nanoeuler_core.training.sft import Encoded, collate, encode_example, epoch_indices, new_run_from, split_heldout
-from nanoeuler_core.training.pretrain import CtrlC, Progress, Run, TrainConfig, rows_per_step, save_checkpoint
+from nanoeuler_core.training.pretrain import Bookkeeping, Run, TrainConfig, rows_per_step
 
 
 @dataclass(frozen=True)
@@ -173,39 +171,24 @@ class DPOTrainer:
         """Train to `config.steps`, evaluating every `eval_every` steps and checkpointing every
         `ckpt_every` and at the end; returns the last metrics row and whether Ctrl-C stopped it
         (after saving the last finished step)."""
-        run, tc, job = self.run, self.run.config, distributed.world()
-        progress = Progress(tc.steps)
+        run, tc = self.run, self.run.config
         start = time.perf_counter()
         row: dict = {}
-        interrupted = False
-        with CtrlC() as ctrl_c, distributed.Watchdog(job, "DPO training") as watchdog, \
-                (open(run.dir / "metrics.jsonl", "ab") if job.rank == 0 else contextlib.nullcontext()) as metrics:
-            try:
-                while run.optimizer.step_count < tc.steps and not interrupted:
-                    step = run.optimizer.step_count + 1
-                    row = {"step": step, **{k: round(v, 5) for k, v in self.step(step).items()}}
-                    if not math.isfinite(row["loss"]):
-                        raise FloatingPointError(f"DPO loss became {row['loss']} at step {step}: lower --lr or --beta")
-                    row["time"] = round(time.perf_counter() - start, 3)
-                    if self.heldout is not None and (step % tc.eval_every == 0 or step == tc.steps):
-                        held = evaluate(run.model, self.heldout, self.beta, tc.batch_size)
-                        row |= {f"val_{k}": round(v, 5) for k, v in held.items()}
-                    interrupted = job.any(ctrl_c.requested)
-                    if job.rank == 0:
-                        metrics.write(orjson.dumps(row) + b"\n")
-                        metrics.flush()
-                        progress.update(step, f"step {step}/{tc.steps} | loss {row['loss']:.3f} | "
-                                              f"batch accuracy {row['accuracy']:.2f} | margin {row['reward_margin']:.3f}")
-                    if step % tc.ckpt_every == 0 or step == tc.steps or interrupted:
-                        save_checkpoint(run)
-                        watchdog.note = f"; the checkpoint of step {step} in {run.dir} is intact"
-                    watchdog.beat()
-            finally:
-                if job.rank == 0:
-                    progress.close()
-        if interrupted:
+        with Bookkeeping(run, "DPO training") as book:
+            while run.optimizer.step_count < tc.steps and not book.interrupted:
+                step = run.optimizer.step_count + 1
+                row = {"step": step, **{k: round(v, 5) for k, v in self.step(step).items()}}
+                if not math.isfinite(row["loss"]):
+                    raise FloatingPointError(f"DPO loss became {row['loss']} at step {step}: lower --lr or --beta")
+                row["time"] = round(time.perf_counter() - start, 3)
+                if self.heldout is not None and (step % tc.eval_every == 0 or step == tc.steps):
+                    held = evaluate(run.model, self.heldout, self.beta, tc.batch_size)
+                    row |= {f"val_{k}": round(v, 5) for k, v in held.items()}
+                book.end_step(step, row, f"step {step}/{tc.steps} | loss {row['loss']:.3f} | "
+                                         f"batch accuracy {row['accuracy']:.2f} | margin {row['reward_margin']:.3f}")
+        if book.interrupted:
             log(f"interrupted: step {run.optimizer.step_count} saved in {run.dir}")
-        return row, interrupted
+        return row, book.interrupted
 
 
 def start_dpo(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, beta: float,

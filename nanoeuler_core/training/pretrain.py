@@ -306,6 +306,44 @@ class CtrlC:
             signal.signal(signal.SIGINT, self._previous)
 
 
+class Bookkeeping:
+    """What every training loop does around its steps, on every rank: Ctrl-C finishes the step
+    (`CtrlC`) and the ranks agree to stop after the same one; rank 0 appends the metrics row and
+    redraws the progress line; a checkpoint is saved every `ckpt_every` steps, at the last and
+    when stopping; a watchdog ends a rank that waits in vain for the others."""
+
+    def __init__(self, run: Run, what: str):
+        self.run, self.job = run, distributed.world()
+        self.ctrl_c, self.watchdog = CtrlC(), distributed.Watchdog(self.job, what)
+        self.progress = Progress(run.config.steps)
+        self.interrupted = False
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "Bookkeeping":
+        self._stack.enter_context(self.ctrl_c)
+        self._stack.enter_context(self.watchdog)
+        if self.job.rank == 0:
+            self._metrics = self._stack.enter_context(open(self.run.dir / "metrics.jsonl", "ab"))
+            self._stack.callback(self.progress.close)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def end_step(self, step: int, row: dict, progress: str) -> None:
+        """Log step `step`'s metrics `row` and `progress` line, checkpoint if due; sets `interrupted`."""
+        self.interrupted = self.job.any(self.ctrl_c.requested)
+        if self.job.rank == 0:
+            self._metrics.write(orjson.dumps(row) + b"\n")
+            self._metrics.flush()
+            self.progress.update(step, progress)
+        tc = self.run.config
+        if step % tc.ckpt_every == 0 or step == tc.steps or self.interrupted:
+            save_checkpoint(self.run)
+            self.watchdog.note = f"; the checkpoint of step {step} in {self.run.dir} is intact"
+        self.watchdog.beat()
+
+
 def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
     """Train from the run's current step to `config.steps`; returns the last metrics row and
     whether Ctrl-C stopped it.
@@ -317,44 +355,29 @@ def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
     job = distributed.world()
     train_step = TrainStep(model, opt, capture=not tc.eager)
     tokens_per_step = rows_per_step(tc) * model.cfg.ctx_len
-    progress = Progress(tc.steps)
     row: dict = {}
     val_loss = val_next = float("nan")
     start, first_step = time.perf_counter(), opt.step_count
-    interrupted = False
-    with CtrlC() as ctrl_c, distributed.Watchdog(job, "training") as watchdog, \
-            (open(run.dir / "metrics.jsonl", "ab") if job.rank == 0 else contextlib.nullcontext()) as metrics:
-        try:
-            while opt.step_count < tc.steps and not interrupted:
-                step = opt.step_count + 1
-                t0 = time.perf_counter()
-                lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)
-                parts = range(job.rank * tc.grad_accum, (job.rank + 1) * tc.grad_accum)
-                loss, grad_norm = train_step.micro_batches([run.train_loader.batch(step, p) for p in parts], lr)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss became {loss} at step {step}: lower --lr or check the data")
-                dt = time.perf_counter() - t0
-                row = {"step": step, "loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
-                       "tokens_per_s": round(tokens_per_step / dt, 1),
-                       "time": round(run.elapsed + time.perf_counter() - start, 3)}
-                if step % tc.eval_every == 0 or step == tc.steps:
-                    val_loss, val_next = evaluate(run)
-                    row["val_loss"], row["val_next_token_loss"] = round(val_loss, 5), round(val_next, 5)
-                interrupted = job.any(ctrl_c.requested)
-                if job.rank == 0:
-                    metrics.write(orjson.dumps(row) + b"\n")
-                    metrics.flush()
-                    rate = (time.perf_counter() - start) / (step - first_step)
-                    progress.update(step, f"step {step}/{tc.steps} | loss {loss:.3f} | val {val_loss:.3f} "
-                                          f"(next token {val_next:.3f}) | "
-                                          f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(rate * (tc.steps - step))} left")
-                if step % tc.ckpt_every == 0 or step == tc.steps or interrupted:
-                    save_checkpoint(run)
-                    watchdog.note = f"; the checkpoint of step {step} in {run.dir} is intact"
-                watchdog.beat()
-        finally:
-            if job.rank == 0:
-                progress.close()
-    if interrupted:
+    with Bookkeeping(run, "training") as book:
+        while opt.step_count < tc.steps and not book.interrupted:
+            step = opt.step_count + 1
+            t0 = time.perf_counter()
+            lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)
+            parts = range(job.rank * tc.grad_accum, (job.rank + 1) * tc.grad_accum)
+            loss, grad_norm = train_step.micro_batches([run.train_loader.batch(step, p) for p in parts], lr)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss} at step {step}: lower --lr or check the data")
+            dt = time.perf_counter() - t0
+            row = {"step": step, "loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
+                   "tokens_per_s": round(tokens_per_step / dt, 1),
+                   "time": round(run.elapsed + time.perf_counter() - start, 3)}
+            if step % tc.eval_every == 0 or step == tc.steps:
+                val_loss, val_next = evaluate(run)
+                row["val_loss"], row["val_next_token_loss"] = round(val_loss, 5), round(val_next, 5)
+            rate = (time.perf_counter() - start) / (step - first_step)
+            book.end_step(step, row, f"step {step}/{tc.steps} | loss {loss:.3f} | val {val_loss:.3f} "
+                                     f"(next token {val_next:.3f}) | "
+                                     f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(rate * (tc.steps - step))} left")
+    if book.interrupted:
         log(f"interrupted: checkpoint at step {opt.step_count} saved in {run.dir}; continue with --resume {run.dir}")
-    return row, interrupted
+    return row, book.interrupted
