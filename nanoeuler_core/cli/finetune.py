@@ -54,6 +54,7 @@ def sft_command(
         log_run(run, log)
         if heldout and job.rank == 0:
             log(_accuracy_line("base model on the held-out examples", *sft.exact_match(run.model, run.tok, heldout)))
+        job.barrier()  # the others wait here, not in the first step where the watchdog counts
         row, interrupted = training.train(run, log)
     if interrupted:
         raise typer.Exit(130)
