@@ -4,7 +4,9 @@ Shapes: params, grads, m, v (P,); sched (2,) = [lr, step] -> grad_norm (1,); sav
 params, m and v are updated in place. sched lives in an array, not in the attributes, so a
 captured CUDA graph replays with a new learning rate and step.
 
-    norm = sqrt(sum_i grads[i]^2)                              (returned, before clipping)
+    sum_squares = sum_i grads[i]^2                             (float64, a (1,) backend array)
+    reduce_sum_squares(sum_squares)                            (optional, in place; see below)
+    norm = sqrt(sum_squares)                                   (returned, before clipping)
     scale = min(1, max_grad_norm / (norm + 1e-6)) if max_grad_norm > 0 else 1
     g = scale * grads
     m = beta1 * m + (1 - beta1) * g
@@ -15,6 +17,12 @@ captured CUDA graph replays with a new learning rate and step.
 
 The model lays out its buffer with every decayed matrix first, so decay is one index range.
 There is no backward: this is the optimizer.
+
+Sharded optimizer state (ZeRO-1): each data-parallel rank calls the op on its slice [lo, hi) of
+the buffers, with n_decay = clamp(n_decay - lo, 0, hi - lo), and passes `reduce_sum_squares`, a
+callable that all-reduces (sums) the slice's sum of squares across the ranks in place, so every
+rank clips with the norm of the whole gradient. It is called once, between the two passes over
+the gradients, with backend work only (a captured CUDA graph holds it).
 """
 
 import numpy as np
@@ -36,10 +44,14 @@ def check_buffers(params, grads, m, v, sched, n_decay):
         raise ValueError(f"adamw: n_decay must lie in [0, {params.shape[0]}], got {n_decay}")
 
 
-def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm):
+def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm,
+            reduce_sum_squares=None):
     check_buffers(params, grads, m, v, sched, n_decay)
     lr, step = sched
-    norm = np.sqrt(np.sum(grads * grads))
+    sum_squares = np.array([np.sum(grads * grads)])
+    if reduce_sum_squares is not None:
+        reduce_sum_squares(sum_squares)
+    norm = np.sqrt(sum_squares[0])
     scale = min(1.0, max_grad_norm / (norm + CLIP_EPS)) if max_grad_norm > 0 else 1.0
     g = scale * grads
     m[:] = beta1 * m + (1 - beta1) * g
@@ -51,19 +63,36 @@ def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_de
     return np.array([norm]), ()
 
 
+class ScaleSumSquares:
+    """A stand-in for the all-reduce of a sharded step: multiplies the sum of squares by `factor`
+    in place, as `factor` ranks holding shards like this one would (host or device arrays)."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def __call__(self, sum_squares) -> None:
+        if isinstance(sum_squares, np.ndarray):
+            sum_squares *= self.factor
+        else:  # a device array: through the host (never called inside a captured graph)
+            sum_squares.copy_to_device(sum_squares.copy_to_host() * self.factor)
+
+
 def sample_inputs(rng):
-    # (P, n_decay, step, max_grad_norm): clipping on (norm well above 1) and off (0 = never,
-    # or a bound above the norm), decay over part of the buffer, none of it, and all of it.
-    for size, n_decay, step, max_grad_norm in ((10, 6, 1, 1.0), (300, 157, 7, 0.0), (77, 0, 3, 100.0),
-                                               (1000, 1000, 12, 0.5)):
+    # (P, n_decay, step, max_grad_norm, hook): clipping on (norm well above 1) and off (0 = never,
+    # or a bound above the norm), decay over part of the buffer, none of it, and all of it; a
+    # shard whose norm is summed with three others' (clipping by the global norm).
+    for size, n_decay, step, max_grad_norm, hook in ((10, 6, 1, 1.0, None), (300, 157, 7, 0.0, None),
+                                                     (77, 0, 3, 100.0, None), (1000, 1000, 12, 0.5, None),
+                                                     (200, 120, 5, 20.0, ScaleSumSquares(4.0))):
         params = rng.standard_normal(size)
         grads = rng.standard_normal(size)
         m = 0.1 * rng.standard_normal(size)
         v = 0.01 * rng.random(size)
         sched = np.array([1e-2, float(step)])
         attrs = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1,
-                 "n_decay": n_decay, "max_grad_norm": max_grad_norm}
-        yield Sample((params, grads, m, v, sched), attrs, name=f"P{size}_decay{n_decay}_step{step}")
+                 "n_decay": n_decay, "max_grad_norm": max_grad_norm, "reduce_sum_squares": hook}
+        yield Sample((params, grads, m, v, sched), attrs,
+                     name=f"P{size}_decay{n_decay}_step{step}" + ("_sharded" if hook else ""))
 
 
 OP = Op(

@@ -150,7 +150,7 @@ def test_loader_is_deterministic_and_visits_every_example(tok):
     for step in (0, 1, 7):
         np.testing.assert_array_equal(loader.batch(step)[0], again.batch(step)[0])
     assert not np.array_equal(loader.batch(1)[0], loader.batch(2)[0])
-    first_epoch = np.concatenate([sft.epoch_indices(10, 5, 3, step) for step in (0, 1)])
+    first_epoch = np.concatenate([sft.epoch_indices(10, 3, 5 * step, 5) for step in (0, 1)])  # 2 batches of 5
     assert sorted(first_epoch.tolist()) == list(range(10))
     assert {b.shape for step in range(5) for b in loader.batch(step)} == {(4, loader.length)}  # one shape
 

@@ -8,13 +8,13 @@ from typing import Iterator, Optional
 
 import typer
 
-from nanoeuler_core.cli.train import PRECISION_HELP, SPECULATIVE_HELP, stream_text
+from nanoeuler_core.cli.train import PRECISION_HELP, SPECULATIVE_HELP, log_run, rank0_log, stream_text
 from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.inference.chat import Conversation
 from nanoeuler_core.inference.decode import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling, prompt_ids
 from nanoeuler_core.inference.loading import load_model
-from nanoeuler_core.training import dpo, sft
+from nanoeuler_core.training import distributed, dpo, sft
 from nanoeuler_core.training import pretrain as training
 
 
@@ -32,7 +32,9 @@ def sft_command(
     data: Optional[Path] = typer.Option(None, help="Alpaca JSON or JSONL file (default: the bundled tasks)"),
     out: Path = typer.Option(Path("runs/sft"), help="run directory to create"),
     steps: int = typer.Option(3000, help="optimizer steps (about 6 minutes for `small` on 2 CPU cores)"),
-    batch_size: int = typer.Option(16, help="examples per step"),
+    batch_size: int = typer.Option(16, help="examples per micro-batch, on each rank"),
+    grad_accum: int = typer.Option(1, help="micro-batches per optimizer step"),
+    zero: int = typer.Option(0, help="1: shard the AdamW moments over the mpiexec ranks (ZeRO-1)"),
     lr: float = typer.Option(1e-3, help="peak learning rate"),
     seed: int = typer.Option(0, help="seed of the example order"),
     val_fraction: float = typer.Option(0.1, help="the last fraction of the examples held out for evaluation"),
@@ -40,16 +42,26 @@ def sft_command(
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
     precision: Optional[str] = typer.Option(None, help=PRECISION_HELP),
 ) -> None:
-    """Fine-tune a pretrained run on instructions; reports held-out exact match before and after."""
+    """Fine-tune a pretrained run on instructions; reports held-out exact match before and after.
+
+    Under `mpiexec -n N`, N data-parallel ranks train it; rank 0 evaluates."""
     data = data or sft.bundled_tasks()
-    tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                              eval_every=eval_every, val_fraction=val_fraction, precision=precision)
-    run, heldout = sft.start_sft(base, data, out, tc, _log)
-    if heldout:
-        _log(_accuracy_line("base model on the held-out examples", *sft.exact_match(run.model, run.tok, heldout)))
-    row, interrupted = training.train(run, _log)
+    with distributed.fail_together():
+        job = distributed.world()
+        log = rank0_log(job)
+        tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
+                                  zero=zero, lr=lr, seed=seed, eval_every=eval_every, val_fraction=val_fraction,
+                                  precision=precision)
+        run, heldout = sft.start_sft(base, data, out, tc, log)
+        log_run(run, log)
+        if heldout and job.rank == 0:
+            log(_accuracy_line("base model on the held-out examples", *sft.exact_match(run.model, run.tok, heldout)))
+        job.barrier()  # the others wait here, not in the first step where the watchdog counts
+        row, interrupted = training.train(run, log)
     if interrupted:
         raise typer.Exit(130)
+    if job.rank != 0:
+        return
     _log(f"done: step {row['step']}, train loss {row['loss']:.3f}, held-out loss {row.get('val_loss', float('nan')):.3f}; "
          f"run saved in {run.dir}")
     if heldout:
@@ -64,7 +76,9 @@ def dpo_command(
     out: Path = typer.Option(Path("runs/dpo"), help="run directory to create"),
     beta: float = typer.Option(0.1, help="DPO temperature: how far the policy may move from the reference"),
     steps: int = typer.Option(200, help="optimizer steps"),
-    batch_size: int = typer.Option(8, help="pairs per step"),
+    batch_size: int = typer.Option(8, help="pairs per micro-batch, on each rank"),
+    grad_accum: int = typer.Option(1, help="micro-batches per optimizer step"),
+    zero: int = typer.Option(0, help="1: shard the AdamW moments over the mpiexec ranks (ZeRO-1)"),
     lr: float = typer.Option(1e-4, help="peak learning rate"),
     seed: int = typer.Option(0, help="seed of the pair order"),
     val_fraction: float = typer.Option(0.1, help="the last fraction of the pairs held out for evaluation"),
@@ -72,19 +86,27 @@ def dpo_command(
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
     precision: Optional[str] = typer.Option(None, help=PRECISION_HELP),
 ) -> None:
-    """Align a run with preference pairs (DPO); reports held-out preference accuracy before and after."""
+    """Align a run with preference pairs (DPO); reports held-out preference accuracy before and after.
+
+    Under `mpiexec -n N`, N data-parallel ranks train it."""
     data = data or dpo.bundled_pairs()
-    tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                              eval_every=eval_every, val_fraction=val_fraction, precision=precision)
-    trainer = dpo.start_dpo(base, data, out, tc, beta, _log)
-    heldout = trainer.heldout
-    if heldout is not None:
-        before = dpo.preference_metrics(heldout.reference, heldout.reference, beta)
-        _log(f"before DPO, held-out pairs: preference accuracy {before['accuracy']:.1%}")
-    try:
-        trainer.train(_log)
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+    with distributed.fail_together():
+        job = distributed.world()
+        log = rank0_log(job)
+        tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
+                                  zero=zero, lr=lr, seed=seed, eval_every=eval_every, val_fraction=val_fraction,
+                                  precision=precision)
+        trainer = dpo.start_dpo(base, data, out, tc, beta, log)
+        log_run(trainer.run, log)
+        heldout = trainer.heldout
+        if heldout is not None:
+            before = dpo.preference_metrics(heldout.reference, heldout.reference, beta)
+            log(f"before DPO, held-out pairs: preference accuracy {before['accuracy']:.1%}")
+        _, interrupted = trainer.train(log)
+    if interrupted:
+        raise typer.Exit(130)
+    if job.rank != 0:
+        return
     if heldout is not None:
         after = dpo.evaluate(trainer.run.model, heldout, beta, batch_size)
         typer.echo(f"after DPO, held-out pairs: preference accuracy {after['accuracy']:.1%} "

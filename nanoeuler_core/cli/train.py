@@ -12,6 +12,7 @@ import typer
 from nanoeuler_core.inference.decode import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling
 from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.training import distributed
 from nanoeuler_core.training import pretrain as training
 
 DEFAULT = {f.name: f.default for f in fields(training.TrainConfig)}
@@ -25,7 +26,11 @@ def pretrain(
     tokenizer: Optional[Path] = typer.Option(None, help="tokenizer.json to use (default: train one on the corpus)"),
     steps: Optional[int] = typer.Option(None, help=f"train until this step (default: {DEFAULT['steps']}; "
                                                    f"with --resume: the run's own)"),
-    batch_size: int = typer.Option(DEFAULT["batch_size"], help="sequences per step (each ctx_len tokens)"),
+    batch_size: int = typer.Option(DEFAULT["batch_size"], help="sequences per micro-batch (each ctx_len tokens), on each rank"),
+    grad_accum: Optional[int] = typer.Option(None, help="micro-batches per optimizer step (default: 1; with --resume: "
+                                                        "the run's own)"),
+    zero: Optional[int] = typer.Option(None, help="1: shard the AdamW moments over the mpiexec ranks (ZeRO-1); "
+                                                  "a checkpoint resumes with or without it"),
     lr: Optional[float] = typer.Option(None, help="peak learning rate (default: 1e-3 small, 3e-4 otherwise)"),
     warmup: Optional[int] = typer.Option(None, help="warm-up steps (default: 5% of --decay-steps)"),
     decay_steps: Optional[int] = typer.Option(None, help="cosine decay horizon (default: --steps)"),
@@ -39,26 +44,33 @@ def pretrain(
     precision: Optional[str] = typer.Option(None, help=PRECISION_HELP + "; with --resume: the run's own"),
     eager: bool = typer.Option(False, help="CUDA: launch each kernel from Python instead of replaying the captured step"),
 ) -> None:
-    """Pretrain a model; with no arguments, the `small` preset on the bundled corpus on the CPU."""
-    log = lambda msg: typer.echo(msg, err=True)  # noqa: E731
-    if resume is not None:
-        overrides = {"backend": backend, "precision": precision, "eager": eager} | ({"steps": steps} if steps is not None else {})
-        run = training.resume_run(resume, overrides, log)
-    else:
-        tc = training.TrainConfig(preset=preset, backend=backend, corpus=str(corpus) if corpus else None,
-                                  tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
-                                  batch_size=batch_size,
-                                  lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
-                                  ckpt_every=ckpt_every, precision=precision, eager=eager)
-        run = training.start_run(out, tc, log)
-    cfg = run.model.cfg
-    log(f"run {run.dir}: {cfg.n_params():,} parameters ({run.config.preset}), backend {run.config.backend} "
-        f"({run.config.precision}), "
-        f"batch {run.config.batch_size} x {cfg.ctx_len}, steps {run.optimizer.step_count} -> {run.config.steps}")
-    log(f"unigram baseline loss: {run.unigram_loss:.3f} nats (a model that ignores context)")
-    row, interrupted = training.train(run, log)
+    """Pretrain a model; with no arguments, the `small` preset on the bundled corpus on the CPU.
+
+    Under `mpiexec -n N`, N data-parallel ranks train it (one GPU each with --backend cuda)."""
+    with distributed.fail_together():
+        job = distributed.world()
+        log = rank0_log(job)
+        if resume is not None:
+            overrides = ({"backend": backend, "precision": precision, "eager": eager}
+                         | {k: v for k, v in (("steps", steps), ("grad_accum", grad_accum), ("zero", zero)) if v is not None})
+            run = training.resume_run(resume, overrides, log)
+        else:
+            tc = training.TrainConfig(preset=preset, backend=backend, corpus=str(corpus) if corpus else None,
+                                      tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
+                                      batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
+                                      zero=zero or 0,
+                                      lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
+                                      ckpt_every=ckpt_every, precision=precision, eager=eager)
+            run = training.start_run(out, tc, log)
+        log_run(run, log)
+        log(f"unigram baseline loss: {run.unigram_loss:.3f} nats (a model that ignores context)")
+        row, interrupted = training.train(run, log)
+        log(distributed.memory_line(run.model, run.optimizer))
     if interrupted:
         raise typer.Exit(130)
+    if job.rank != 0:
+        return
+    cfg = run.model.cfg
     if row:
         log(f"done: step {row['step']}, train loss {row['loss']:.3f} (mean of the {cfg.n_mtp} heads), validation "
             f"{row.get('val_loss', float('nan')):.3f}, next-token validation {row.get('val_next_token_loss', float('nan')):.3f} "
@@ -68,6 +80,24 @@ def pretrain(
     run.model.generate(run.tok, sample_prompt, max_new_tokens=200, temperature=0.8, top_k=40, seed=run.config.seed,
                        on_text=stream_text)
     typer.echo("")
+
+
+def rank0_log(job):
+    """Log lines to stderr from rank 0 only (every rank of a data-parallel job has the same to say)."""
+    return (lambda msg: typer.echo(msg, err=True)) if job.rank == 0 else (lambda msg: None)
+
+
+def log_run(run, log) -> None:
+    """What a run trains: model, backend, batch (micro-batches, ranks) and steps."""
+    tc, cfg = run.config, run.model.cfg
+    ranks = distributed.world().size
+    shape = f"batch {tc.batch_size} x {cfg.ctx_len}"
+    if tc.grad_accum > 1 or ranks > 1:
+        shape += (f" per micro-batch, {tc.grad_accum} micro-batch{'es' if tc.grad_accum > 1 else ''} on each of "
+                  f"{ranks} rank{'s' if ranks > 1 else ''}{' (AdamW state sharded)' if run.optimizer.zero else ''}: "
+                  f"{training.rows_per_step(tc)} sequences per step")
+    log(f"run {run.dir}: {cfg.n_params():,} parameters ({tc.preset}), backend {tc.backend} ({tc.precision}), {shape}, "
+        f"steps {run.optimizer.step_count} -> {tc.steps}")
 
 
 def stream_text(piece: str) -> None:

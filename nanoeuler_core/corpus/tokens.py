@@ -216,7 +216,10 @@ class BatchLoader:
     """Random context windows from a token array, the same batch for the same (seed, step).
 
     The generator is derived from (seed, step) alone, so a resumed run draws exactly the
-    batches the uninterrupted run would have drawn.
+    batches the uninterrupted run would have drawn. A step's rows form one sequence: row i of
+    step s is the i-th window drawn from (seed, s), whatever the batch size, so `batch(s, part)`,
+    the rows [part * batch_size, (part + 1) * batch_size), splits a large batch into micro-batches
+    and over data-parallel ranks without changing it.
     """
 
     def __init__(self, tokens: np.ndarray, batch_size: int, ctx_len: int, seed: int):
@@ -232,9 +235,12 @@ class BatchLoader:
         self.seed = seed
         self._offsets = np.arange(ctx_len + 1)
 
-    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """inputs (B, T) and targets (B, T) int64, with targets[:, t] the token after inputs[:, t]."""
+    def batch(self, step: int, part: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """inputs (B, T) and targets (B, T) int64, with targets[:, t] the token after inputs[:, t]:
+        rows [part * B, (part + 1) * B) of step `step`."""
         rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(self.tokens) - self.ctx_len, size=self.batch_size)
+        # Bounded integers are drawn one after another from the stream: the first n of a longer
+        # draw are the n of a draw of n.
+        starts = rng.integers(0, len(self.tokens) - self.ctx_len, size=(part + 1) * self.batch_size)[part * self.batch_size:]
         windows = self.tokens[starts[:, None] + self._offsets].astype(np.int64)  # (B, T + 1)
         return windows[:, :-1], windows[:, 1:]

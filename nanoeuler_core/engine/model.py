@@ -244,21 +244,31 @@ class Model:
             raise ValueError(f"targets must be -1 (ignored) or in [0, {self.cfg.vocab_size})")
         return targets.astype(np.int64)
 
-    def mtp_weights(self, head_targets: np.ndarray) -> np.ndarray:
+    def mtp_weights(self, head_targets: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
         """Row weights (K, N) that make sum(weights * losses) the MTP loss: the mean over heads of
-        each head's mean over its valid targets; heads without any valid target do not count."""
-        valid = head_targets >= 0
-        counts = valid.sum(axis=1, keepdims=True)
-        n_active = max(1, int((counts > 0).sum()))
-        return valid / np.maximum(counts, 1) / n_active
+        each head's mean over its valid targets; heads without any valid target do not count.
 
-    def _heads(self, h_final, head_targets, heads, weights=None):
+        `counts` (K,), the valid targets of each head over a larger batch these rows belong to
+        (micro-batches, data-parallel ranks), makes the weights those of that whole batch."""
+        valid = head_targets >= 0
+        counts = valid.sum(axis=1) if counts is None else np.asarray(counts)
+        n_active = max(1, int((counts > 0).sum()))
+        return valid / np.maximum(counts, 1)[:, None] / n_active
+
+    def _store_grad(self, dst, grad, accumulate: bool) -> None:
+        """dst <- grad, or dst <- dst + grad when accumulating micro-batches into the gradient buffer."""
+        if accumulate:
+            grad, _ = self.ops.add.forward(dst, grad)
+        self.backend.copy_(dst, grad)
+
+    def _heads(self, h_final, head_targets, heads, weights=None, accumulate=False):
         """Per-row cross-entropy (N,) of each head j in `heads` against head_targets[j] (backend (K, N)).
 
         With `weights` (backend (K, N)), also the backward of sum(weights * losses): the heads'
-        gradients are written and dh_final (N, C) is returned. Returns (losses per head, dh_final).
+        gradients are written (added, with `accumulate`) and dh_final (N, C) is returned.
+        Returns (losses per head, dh_final).
         """
-        f, be = self.ops, self.backend
+        f = self.ops
         losses, dh_final = [], None
         for j in heads:
             head = self.weights[f"heads.{j}"]
@@ -269,7 +279,7 @@ class Model:
                 continue
             dlogits, _ = f.cross_entropy.backward(weights[j], ce_saved, logits, head_targets[j])
             dh_j, dhead_j = f.linear.backward(dlogits, (), h_final, head)
-            be.copy_(self.grads[f"heads.{j}"], dhead_j)
+            self._store_grad(self.grads[f"heads.{j}"], dhead_j, accumulate)
             if dh_final is None:
                 dh_final = dh_j
             else:
@@ -277,15 +287,16 @@ class Model:
         return losses, dh_final
 
     @_computing
-    def _forward_backward(self, ids, head_targets, weights, B: int, T: int) -> list:
+    def _forward_backward(self, ids, head_targets, weights, B: int, T: int, accumulate: bool = False) -> list:
         """Forward, then the gradient of sum(weights * per-row losses) of every head into
-        `grad_flat`; all arguments on the backend. Returns the losses per head (backend (N,) each).
+        `grad_flat` (added to what it holds, with `accumulate`); all arguments on the backend.
+        Returns the losses per head (backend (N,) each).
 
         Only backend work, no host copy: a backend with graphs captures it as it stands.
         """
         h_final, caches, first_saved = self._forward(ids, B, T)
-        losses, dh_final = self._heads(h_final, head_targets, range(self.cfg.n_mtp), weights)
-        self._backward_blocks(dh_final, caches, first_saved, ids, B, T)
+        losses, dh_final = self._heads(h_final, head_targets, range(self.cfg.n_mtp), weights, accumulate)
+        self._backward_blocks(dh_final, caches, first_saved, ids, B, T, accumulate)
         return losses
 
     def _host_losses(self, losses: list) -> np.ndarray:
@@ -328,8 +339,9 @@ class Model:
         losses, _ = self._heads(h_final, self.backend.asarray(targets.reshape(1, -1)), [0])
         return -self._host_losses(losses)[0].reshape(ids.shape)
 
-    def logprob_backward(self, inputs, targets, weights) -> np.ndarray:
-        """Fill `grad_flat` with the gradient of sum(weights * token_logprobs(inputs, targets)), weights (B, T).
+    def logprob_backward(self, inputs, targets, weights, accumulate: bool = False) -> np.ndarray:
+        """Fill `grad_flat` with the gradient of sum(weights * token_logprobs(inputs, targets)), weights (B, T)
+        (add it to what `grad_flat` holds, with `accumulate`).
 
         The building block of objectives on sequence log-probabilities (DPO). Returns the log-probs.
         """
@@ -343,20 +355,22 @@ class Model:
         head_weights = np.zeros(head_targets.shape)
         head_weights[0] = -weights.reshape(-1) * (targets.reshape(-1) >= 0)  # log p = -cross-entropy
         be = self.backend
-        losses = self._forward_backward(ids_dev, be.asarray(head_targets), be.asarray(head_weights), *ids.shape)
+        losses = self._forward_backward(ids_dev, be.asarray(head_targets), be.asarray(head_weights), *ids.shape,
+                                        accumulate=accumulate)
         return -self._host_losses(losses[:1])[0].reshape(ids.shape)
 
-    def _backward_blocks(self, dh, caches: list[BlockCache], first_saved: tuple, ids_dev, B: int, T: int) -> None:
+    def _backward_blocks(self, dh, caches: list[BlockCache], first_saved: tuple, ids_dev, B: int, T: int,
+                         accumulate: bool = False) -> None:
         """Walk the blocks in reverse from dh (N, C), the gradient at the final norm's output, to
-        tok_emb, consuming `caches`."""
-        cfg, f, be = self.cfg, self.ops, self.backend
+        tok_emb, consuming `caches`; the weights' gradients are written (added, with `accumulate`)."""
+        cfg, f = self.cfg, self.ops
         N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         dx = None   # the gradient reaching the residual stream past the last block: none
         for i in reversed(range(cfg.n_layers)):
             L, G, c = self.layers[i], self.layer_grads[i], caches.pop()  # c is dropped after this block
             # feed-forward step's residual add and the next norm: dx_mid reaches both x_mid and ffn_out
             dx_mid, _, dnext_norm = f.add_rmsnorm.backward((dx, dh), c.out_saved, None, None, self.next_norms[i], eps=eps)
-            be.copy_(self.next_norm_grads[i], dnext_norm)
+            self._store_grad(self.next_norm_grads[i], dnext_norm, accumulate)
             dact, dw_down = f.linear.backward(dx_mid, (), c.act, L.w_down)
             (dgate_up,) = f.swiglu.backward(dact, (), c.gate_up)
             dh_ffn, dw_gate_up = f.linear.backward(dgate_up, (), c.h_ffn, L.w_gate_up)
@@ -368,14 +382,14 @@ class Model:
             dh, dwqkv = f.linear.backward(dqkv.reshape(N, (H + 2 * KV) * D), (), c.h_attn, L.wqkv)
             for name, grad in (("w_down", dw_down), ("w_gate_up", dw_gate_up), ("ffn_norm", dffn_norm), ("wo", dwo),
                                ("wqkv", dwqkv)):
-                be.copy_(getattr(G, name), grad)
+                self._store_grad(getattr(G, name), grad, accumulate)
         # dh is now the gradient at the first norm's output: through it, and the stream, to the embedding
         x_emb, rstd = first_saved
         dx_norm, dattn_norm = f.rmsnorm.backward(dh, (rstd,), x_emb, self.layers[0].attn_norm, eps=eps)
-        be.copy_(self.layer_grads[0].attn_norm, dattn_norm)
+        self._store_grad(self.layer_grads[0].attn_norm, dattn_norm, accumulate)
         dx, _ = f.add.forward(dx, dx_norm)
         _, dtok = f.embedding.backward(dx, (), ids_dev, self.weights["tok_emb"])
-        be.copy_(self.grads["tok_emb"], dtok)
+        self._store_grad(self.grads["tok_emb"], dtok, accumulate)
 
     def loss_and_grad(self, inputs, targets) -> tuple[float, dict[str, np.ndarray]]:
         """Loss and gradients (name -> host array) for int (B, T) inputs and targets (-1 = ignore)."""

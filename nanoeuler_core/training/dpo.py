@@ -11,6 +11,9 @@ never changes, so its scores are computed once, before training. Each step:
     logprob_backward(rows, weights = d_row on every response token)  gradient of the mean loss
     AdamW step                                                      (`loss_and_backward`, then `DPOTrainer.step`)
 
+With --grad-accum and under mpiexec, a step's pairs are every micro-batch of every rank: each
+micro-batch adds its pairs' share of the mean loss's gradient, and AdamW sums it over the ranks.
+
 Evaluation on held-out pairs: preference accuracy (the policy scores the chosen response above
 the rejected one), the mean reward margin beta * ((pc - rc) - (pr - rr)), which is 0 before
 training since the policy is the reference, and the reward accuracy (pairs whose margin is > 0).
@@ -26,14 +29,14 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import orjson
 
 from nanoeuler_core import registry
 from nanoeuler_core.engine.optim import lr_at
 from nanoeuler_core.corpus.records import read_records, text_fields
 from nanoeuler_core.inference.chat import TEMPLATE, render_prompt
+from nanoeuler_core.training import distributed
 from nanoeuler_core.training.sft import Encoded, collate, encode_example, epoch_indices, new_run_from, split_heldout
-from nanoeuler_core.training.pretrain import Progress, Run, TrainConfig, save_checkpoint
+from nanoeuler_core.training.pretrain import Bookkeeping, Run, TrainConfig, rows_per_step
 
 
 @dataclass(frozen=True)
@@ -116,19 +119,22 @@ def evaluate(model, pairs: EncodedPairs, beta: float, batch_size: int) -> dict[s
     return preference_metrics(sequence_logprobs(model, pairs, batch_size), pairs.reference, beta)
 
 
-def loss_and_backward(model, loss_op, inputs, targets, reference: np.ndarray, beta: float) -> tuple[float, np.ndarray]:
-    """The mean DPO loss of P pairs, rows (2P, T) = chosen rows then rejected rows, reference
-    scores (P, 2); fills the model's gradient buffer with its gradient. Returns the loss and the
-    policy scores (P, 2)."""
+def loss_and_backward(model, loss_op, inputs, targets, reference: np.ndarray, beta: float,
+                      n_pairs: int | None = None, accumulate: bool = False) -> tuple[float, np.ndarray]:
+    """The DPO loss of P pairs, rows (2P, T) = chosen rows then rejected rows, reference scores
+    (P, 2), as their share of the mean over `n_pairs` pairs (default P: their mean); fills the
+    model's gradient buffer with its gradient (adds it, with `accumulate`). Returns the loss share
+    and the policy scores (P, 2)."""
     be = model.backend
     P = len(reference)
+    n_pairs = n_pairs or P
     scores = model.token_logprobs(inputs, targets).sum(axis=1).reshape(2, P).T
     args = tuple(be.asarray(np.ascontiguousarray(x)) for x in (scores[:, 0], scores[:, 1], reference[:, 0], reference[:, 1]))
     losses, saved = loss_op.forward(*args, beta=beta)
-    d_chosen, d_rejected, _, _ = loss_op.backward(be.asarray(np.full(P, 1.0 / P)), saved, *args, beta=beta)
+    d_chosen, d_rejected, _, _ = loss_op.backward(be.asarray(np.full(P, 1.0 / n_pairs)), saved, *args, beta=beta)
     d_rows = np.concatenate([be.to_host(d_chosen), be.to_host(d_rejected)])  # d loss / d (row's summed log-prob)
-    model.logprob_backward(inputs, targets, np.repeat(d_rows[:, None], inputs.shape[1], axis=1))
-    return float(be.to_host(losses).mean()), scores
+    model.logprob_backward(inputs, targets, np.repeat(d_rows[:, None], inputs.shape[1], axis=1), accumulate)
+    return float(be.to_host(losses).sum() / n_pairs), scores
 
 
 class DPOTrainer:
@@ -139,47 +145,50 @@ class DPOTrainer:
         self.loss_op = registry.op("dpo_loss").impl(run.model.backend_name)
 
     def step(self, step: int) -> dict[str, float]:
-        """One update on the batch of pairs for `step`; returns its loss, accuracy and margin."""
-        tc = self.run.config
-        indices = epoch_indices(len(self.pairs), tc.batch_size, tc.seed, step)
-        reference = self.pairs.reference[indices]
-        loss, scores = loss_and_backward(self.run.model, self.loss_op, *self.pairs.rows(indices), reference, self.beta)
+        """One update on the pairs of `step` (every micro-batch of every rank); returns their loss,
+        accuracy and margin."""
+        tc, comm, job = self.run.config, self.run.optimizer.comm, distributed.world()
+        n_pairs = rows_per_step(tc)
+        loss, scores, reference = 0.0, [], []
+        for k, part in enumerate(range(job.rank * tc.grad_accum, (job.rank + 1) * tc.grad_accum)):
+            indices = epoch_indices(len(self.pairs), tc.seed, step * n_pairs + part * tc.batch_size, tc.batch_size)
+            reference.append(self.pairs.reference[indices])
+            share, part_scores = loss_and_backward(self.run.model, self.loss_op, *self.pairs.rows(indices), reference[-1],
+                                                   self.beta, n_pairs, accumulate=k > 0)
+            loss += share
+            scores.append(part_scores)
         lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)
         grad_norm = self.run.optimizer.step(lr)
+        scores, reference = np.concatenate(scores), np.concatenate(reference)
+        if comm is not None:
+            loss = float(comm.host_sum(np.array([loss]))[0])
+            scores, reference = (comm.host_concat(x.reshape(-1)).reshape(-1, 2) for x in (scores, reference))
         metrics = preference_metrics(scores, reference, self.beta)
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "accuracy": metrics["accuracy"],
                 "reward_margin": metrics["reward_margin"]}
 
-    def train(self, log: Callable[[str], None] = print) -> dict:
+    def train(self, log: Callable[[str], None] = print) -> tuple[dict, bool]:
         """Train to `config.steps`, evaluating every `eval_every` steps and checkpointing every
-        `ckpt_every` and at the end; Ctrl-C saves the last finished step and re-raises."""
+        `ckpt_every` and at the end; returns the last metrics row and whether Ctrl-C stopped it
+        (after saving the last finished step)."""
         run, tc = self.run, self.run.config
-        progress = Progress(tc.steps)
         start = time.perf_counter()
         row: dict = {}
-        try:
-            with open(run.dir / "metrics.jsonl", "ab") as metrics:
-                for step in range(run.optimizer.step_count + 1, tc.steps + 1):
-                    row = {"step": step, **{k: round(v, 5) for k, v in self.step(step).items()}}
-                    if not math.isfinite(row["loss"]):
-                        raise FloatingPointError(f"DPO loss became {row['loss']} at step {step}: lower --lr or --beta")
-                    row["time"] = round(time.perf_counter() - start, 3)
-                    if self.heldout is not None and (step % tc.eval_every == 0 or step == tc.steps):
-                        held = evaluate(run.model, self.heldout, self.beta, tc.batch_size)
-                        row |= {f"val_{k}": round(v, 5) for k, v in held.items()}
-                    metrics.write(orjson.dumps(row) + b"\n")
-                    metrics.flush()
-                    progress.update(step, f"step {step}/{tc.steps} | loss {row['loss']:.3f} | "
-                                          f"batch accuracy {row['accuracy']:.2f} | margin {row['reward_margin']:.3f}")
-                    if step % tc.ckpt_every == 0 or step == tc.steps:
-                        save_checkpoint(run)
-        except KeyboardInterrupt:
-            save_checkpoint(run)
+        with Bookkeeping(run, "DPO training") as book:
+            while run.optimizer.step_count < tc.steps and not book.interrupted:
+                step = run.optimizer.step_count + 1
+                row = {"step": step, **{k: round(v, 5) for k, v in self.step(step).items()}}
+                if not math.isfinite(row["loss"]):
+                    raise FloatingPointError(f"DPO loss became {row['loss']} at step {step}: lower --lr or --beta")
+                row["time"] = round(time.perf_counter() - start, 3)
+                if self.heldout is not None and (step % tc.eval_every == 0 or step == tc.steps):
+                    held = evaluate(run.model, self.heldout, self.beta, tc.batch_size)
+                    row |= {f"val_{k}": round(v, 5) for k, v in held.items()}
+                book.end_step(step, row, f"step {step}/{tc.steps} | loss {row['loss']:.3f} | "
+                                         f"batch accuracy {row['accuracy']:.2f} | margin {row['reward_margin']:.3f}")
+        if book.interrupted:
             log(f"interrupted: step {run.optimizer.step_count} saved in {run.dir}")
-            raise
-        finally:
-            progress.close()
-        return row
+        return row, book.interrupted
 
 
 def start_dpo(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, beta: float,

@@ -4,10 +4,17 @@ A run directory holds config.json (model + training config), tokenizer.json, mod
 optimizer.safetensors and metrics.jsonl. Checkpoints are committed as one unit
 (`checkpoint.commit_files`), every `ckpt_every` steps, at the end and on Ctrl-C. Batches depend
 only on (seed, step), so a resumed run continues exactly as an uninterrupted one would.
+
+A step trains on `grad_accum` micro-batches of `batch_size` rows on each data-parallel rank
+(nanoeuler_core.training.distributed): rows [p * batch_size, (p + 1) * batch_size) of the step's
+global batch, p = rank * grad_accum + k. Rank 0 alone writes the run directory, the metrics and
+the progress line; every rank computes the same validation batches' share and resumes from the
+same checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -27,6 +34,7 @@ from nanoeuler_core.corpus.tokens import BatchLoader, check_length, default_corp
 from nanoeuler_core.engine.model import Model, usable_backend
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.engine.optim import AdamW, TrainStep, lr_at
+from nanoeuler_core.training import distributed
 
 @dataclass
 class TrainConfig:
@@ -53,6 +61,8 @@ class TrainConfig:
     precision: str | None = None        # fp32, tf32 or bf16 (SPEC.md section 7); default: the backend's
                                         # (bf16 on a CUDA GPU with tensor cores, fp32 on the CPU)
     eager: bool = False                 # launch every kernel from Python instead of replaying a captured step
+    grad_accum: int = 1                 # micro-batches of batch_size rows per optimizer step (on each rank)
+    zero: int = 0                       # 1: AdamW moments sharded over the data-parallel ranks (ZeRO-1)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -63,9 +73,11 @@ class TrainConfig:
             self.decay_steps = self.steps
         if self.warmup is None:
             self.warmup = max(1, self.decay_steps // 20)
-        for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every", "decay_steps"):
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every", "decay_steps", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.zero not in (0, 1):
+            raise ValueError(f"--zero must be 0 (off) or 1 (sharded optimizer state), got {self.zero}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if self.seed < 0:
@@ -129,28 +141,48 @@ def _data(run_dir: Path, tc: TrainConfig, tok, ctx_len: int) -> tuple[BatchLoade
 
 
 def make_optimizer(model: Model, tc: TrainConfig) -> AdamW:
-    """The AdamW of a run with settings `tc`."""
-    return AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay, max_grad_norm=tc.grad_clip)
+    """The AdamW of a run with settings `tc`, over the job's data-parallel ranks."""
+    comm = distributed.world().collectives(tc.backend)
+    return AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay, max_grad_norm=tc.grad_clip,
+                 comm=comm, zero=bool(tc.zero) and comm is not None)
+
+
+def rows_per_step(tc: TrainConfig) -> int:
+    """Sequences in one optimizer step: every micro-batch of every rank."""
+    return tc.batch_size * tc.grad_accum * distributed.world().size
 
 
 def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print) -> Run:
-    """A fresh run in `run_dir` (which must not already hold one)."""
+    """A fresh run in `run_dir` (which must not already hold one). Rank 0 trains the tokenizer
+    and writes the run directory; the other ranks then read the tokenizer (and the token cache)."""
     run_dir = Path(run_dir)
+    job = distributed.world()
     tc.resolve_precision()  # the backend and precision are checked before minutes of tokenizer training
-    if (run_dir / "config.json").exists():
-        raise ValueError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or choose another --out")
-    corpus = Path(tc.corpus) if tc.corpus else default_corpus()
-    if not corpus.is_file():
-        raise ValueError(f"corpus {corpus} not found")
-    tok = _tokenizer(tc, corpus, PRESETS[tc.preset]["vocab_size"], log)
-    cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size)
-    train, val, unigram = _data(run_dir, tc, tok, cfg.ctx_len)
-    model = Model(cfg, backend=tc.backend, seed=tc.seed, precision=tc.precision)
+    job.prepare(tc.backend)
+    if job.rank == 0:
+        if (run_dir / "config.json").exists():
+            raise ValueError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or choose another --out")
+        corpus = Path(tc.corpus) if tc.corpus else default_corpus()
+        if not corpus.is_file():
+            raise ValueError(f"corpus {corpus} not found")
+        tok = _tokenizer(tc, corpus, PRESETS[tc.preset]["vocab_size"], log)
+        cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size)
+        data = _data(run_dir, tc, tok, cfg.ctx_len)  # encodes and caches the corpus
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tok.save(run_dir / "tokenizer.json")
+    job.barrier()
+    if job.rank != 0:
+        from nanoeuler_core.text.tokenizer import Tokenizer
+
+        tok = Tokenizer.load(run_dir / "tokenizer.json")
+        cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size)
+        data = _data(run_dir, tc, tok, cfg.ctx_len)  # from rank 0's cache
+    train, val, unigram = data
+    model = Model(cfg, backend=tc.backend, seed=tc.seed, precision=tc.precision)  # the same seed: the same weights on every rank
     optimizer = make_optimizer(model, tc)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(run_dir / "tokenizer.json")
-    model.save(run_dir, training=asdict(tc))
-    (run_dir / "metrics.jsonl").write_bytes(b"")
+    if job.rank == 0:
+        model.save(run_dir, training=asdict(tc))
+        (run_dir / "metrics.jsonl").write_bytes(b"")
     return Run(run_dir, tc, model, optimizer, tok, train, val, unigram)
 
 
@@ -172,6 +204,11 @@ def resume_run(run_dir: Path, overrides: dict, log: Callable[[str], None] = prin
             overrides["precision"] = None
     tc = TrainConfig.from_dict({**training, **overrides})
     tc.resolve_precision()
+    job = distributed.world()
+    job.prepare(tc.backend)
+    if job.rank == 0:  # finish or undo a checkpoint that a crash interrupted, before anyone reads it
+        checkpoint.recover(run_dir, checkpoint.CHECKPOINT_FILES)
+    job.barrier()
     model, tok = load_model(run_dir, tc.backend, tc.precision)
     optimizer = make_optimizer(model, tc)
     if (run_dir / "optimizer.safetensors").exists():
@@ -185,7 +222,7 @@ def resume_run(run_dir: Path, overrides: dict, log: Callable[[str], None] = prin
         except ValueError as exc:
             raise CheckpointError(f"{run_dir / 'optimizer.safetensors'}: {exc}") from None
     train, val, unigram = _data(run_dir, tc, tok, model.cfg.ctx_len)
-    elapsed = _truncate_metrics(run_dir / "metrics.jsonl", optimizer.step_count)
+    elapsed = _truncate_metrics(run_dir / "metrics.jsonl", optimizer.step_count) if job.rank == 0 else 0.0
     log(f"resuming {run_dir} at step {optimizer.step_count}")
     return Run(run_dir, tc, model, optimizer, tok, train, val, unigram, elapsed)
 
@@ -208,9 +245,12 @@ def _truncate_metrics(path: Path, step: int) -> float:
 
 
 def save_checkpoint(run: Run) -> None:
-    """Commit model and optimizer state at the optimizer's current step."""
+    """Commit model and optimizer state at the optimizer's current step (every rank calls it:
+    sharded optimizer state is gathered; rank 0 writes)."""
     meta = {"step": str(run.optimizer.step_count), "seed": str(run.config.seed)}
     tensors, opt_meta = run.optimizer.state()
+    if distributed.world().rank != 0:
+        return
     checkpoint.commit_files(run.dir, [
         ("optimizer.safetensors", checkpoint.tensors_bytes(tensors, {**opt_meta, **meta})),
         ("model.safetensors", checkpoint.tensors_bytes(run.model.params, meta)),
@@ -219,10 +259,13 @@ def save_checkpoint(run: Run) -> None:
 
 def evaluate(run: Run) -> tuple[float, float]:
     """Validation loss (mean over the heads) and head 0's next-token loss, over the same
-    `eval_batches` batches every time."""
+    `eval_batches` batches every time (shared out among the data-parallel ranks)."""
     if run.val_loader is None:
         return float("nan"), float("nan")
-    heads = np.array([run.model.head_losses(*run.val_loader.batch(i)) for i in range(run.config.eval_batches)])
+    job = distributed.world()
+    mine = {i: run.model.head_losses(*run.val_loader.batch(i)) for i in range(job.rank, run.config.eval_batches, job.size)}
+    every = {i: losses for part in job.allgather(mine) for i, losses in part.items()}
+    heads = np.array([every[i] for i in range(run.config.eval_batches)])
     return float(np.nanmean(heads)), float(np.nanmean(heads[:, 0]))
 
 
@@ -252,57 +295,102 @@ def _eta(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+class CtrlC:
+    """While active, Ctrl-C (SIGINT) only sets `requested`: the loop finishes its step, saves a
+    checkpoint and returns; a second Ctrl-C raises KeyboardInterrupt at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        self._main_thread = threading.current_thread() is threading.main_thread()  # signals only work there
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> "CtrlC":
+        if self._main_thread:
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._main_thread:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class Bookkeeping:
+    """What every training loop does around its steps, on every rank: Ctrl-C finishes the step
+    (`CtrlC`) and the ranks agree to stop after the same one; rank 0 appends the metrics row and
+    redraws the progress line; a checkpoint is saved every `ckpt_every` steps, at the last and
+    when stopping; a watchdog ends a rank that waits in vain for the others."""
+
+    def __init__(self, run: Run, what: str):
+        self.run, self.job = run, distributed.world()
+        self.ctrl_c, self.watchdog = CtrlC(), distributed.Watchdog(self.job, what)
+        self.progress = Progress(run.config.steps)
+        self.interrupted = False
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "Bookkeeping":
+        self._stack.enter_context(self.ctrl_c)
+        self._stack.enter_context(self.watchdog)
+        if self.job.rank == 0:
+            self._metrics = self._stack.enter_context(open(self.run.dir / "metrics.jsonl", "ab"))
+            self._stack.callback(self.progress.close)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def end_step(self, step: int, row: dict, progress: str) -> None:
+        """Log step `step`'s metrics `row` and `progress` line, checkpoint if due; sets `interrupted`."""
+        self.interrupted = self.job.any(self.ctrl_c.requested)
+        if self.job.rank == 0:
+            self._metrics.write(orjson.dumps(row) + b"\n")
+            self._metrics.flush()
+            self.progress.update(step, progress)
+        tc = self.run.config
+        if step % tc.ckpt_every == 0 or step == tc.steps or self.interrupted:
+            save_checkpoint(self.run)
+            self.watchdog.note = f"; the checkpoint of step {step} in {self.run.dir} is intact"
+        self.watchdog.beat()
+
+
 def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
     """Train from the run's current step to `config.steps`; returns the last metrics row and
     whether Ctrl-C stopped it.
 
-    Ctrl-C lets the current step finish, saves a checkpoint and returns; a second Ctrl-C stops at once.
+    Ctrl-C lets the current step finish, saves a checkpoint and returns; a second Ctrl-C stops at
+    once. Under mpiexec every rank stops after the same step (mpiexec passes Ctrl-C to each).
     """
     tc, model, opt = run.config, run.model, run.optimizer
+    job = distributed.world()
     train_step = TrainStep(model, opt, capture=not tc.eager)
-    tokens_per_step = tc.batch_size * model.cfg.ctx_len
-    progress = Progress(tc.steps)
+    tokens_per_step = rows_per_step(tc) * model.cfg.ctx_len
     row: dict = {}
     val_loss = val_next = float("nan")
     start, first_step = time.perf_counter(), opt.step_count
-    interrupted = False
-
-    def on_sigint(signum, frame):
-        nonlocal interrupted
-        if interrupted:
-            raise KeyboardInterrupt
-        interrupted = True
-
-    in_main_thread = threading.current_thread() is threading.main_thread()  # signals only work there
-    previous_handler = signal.signal(signal.SIGINT, on_sigint) if in_main_thread else None
-    try:
-        with open(run.dir / "metrics.jsonl", "ab") as metrics:
-            while opt.step_count < tc.steps and not interrupted:
-                step = opt.step_count + 1
-                t0 = time.perf_counter()
-                lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)
-                loss, grad_norm = train_step(*run.train_loader.batch(step), lr)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss became {loss} at step {step}: lower --lr or check the data")
-                dt = time.perf_counter() - t0
-                row = {"step": step, "loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
-                       "tokens_per_s": round(tokens_per_step / dt, 1),
-                       "time": round(run.elapsed + time.perf_counter() - start, 3)}
-                if step % tc.eval_every == 0 or step == tc.steps:
-                    val_loss, val_next = evaluate(run)
-                    row["val_loss"], row["val_next_token_loss"] = round(val_loss, 5), round(val_next, 5)
-                metrics.write(orjson.dumps(row) + b"\n")
-                metrics.flush()
-                rate = (time.perf_counter() - start) / (step - first_step)
-                progress.update(step, f"step {step}/{tc.steps} | loss {loss:.3f} | val {val_loss:.3f} "
-                                      f"(next token {val_next:.3f}) | "
-                                      f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(rate * (tc.steps - step))} left")
-                if step % tc.ckpt_every == 0 or step == tc.steps or interrupted:
-                    save_checkpoint(run)
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, previous_handler)
-        progress.close()
-    if interrupted:
+    with Bookkeeping(run, "training") as book:
+        while opt.step_count < tc.steps and not book.interrupted:
+            step = opt.step_count + 1
+            t0 = time.perf_counter()
+            lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)
+            parts = range(job.rank * tc.grad_accum, (job.rank + 1) * tc.grad_accum)
+            loss, grad_norm = train_step.micro_batches([run.train_loader.batch(step, p) for p in parts], lr)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss} at step {step}: lower --lr or check the data")
+            dt = time.perf_counter() - t0
+            row = {"step": step, "loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
+                   "tokens_per_s": round(tokens_per_step / dt, 1),
+                   "time": round(run.elapsed + time.perf_counter() - start, 3)}
+            if step % tc.eval_every == 0 or step == tc.steps:
+                val_loss, val_next = evaluate(run)
+                row["val_loss"], row["val_next_token_loss"] = round(val_loss, 5), round(val_next, 5)
+            rate = (time.perf_counter() - start) / (step - first_step)
+            book.end_step(step, row, f"step {step}/{tc.steps} | loss {loss:.3f} | val {val_loss:.3f} "
+                                     f"(next token {val_next:.3f}) | "
+                                     f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(rate * (tc.steps - step))} left")
+    if book.interrupted:
         log(f"interrupted: checkpoint at step {opt.step_count} saved in {run.dir}; continue with --resume {run.dir}")
-    return row, interrupted
+    return row, book.interrupted

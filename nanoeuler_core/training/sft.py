@@ -30,7 +30,8 @@ from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.config import PRESETS
 from nanoeuler_core.inference.chat import TEMPLATE, render_prompt
 from nanoeuler_core.inference.loading import load_model
-from nanoeuler_core.training.pretrain import Run, TrainConfig, make_optimizer
+from nanoeuler_core.training import distributed
+from nanoeuler_core.training.pretrain import Run, TrainConfig, make_optimizer, rows_per_step
 
 IGNORE = -1
 
@@ -117,12 +118,14 @@ def collate(sequences: list[Encoded], pad_id: int, length: int | None = None) ->
     return inputs, targets
 
 
-def epoch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
-    """The items of batch `step`: epochs visit all n items, each in an order drawn from (seed, epoch),
-    so the batch depends only on (seed, step) and a resumed run draws what an uninterrupted one would."""
-    positions = step * batch_size + np.arange(batch_size)
+def epoch_indices(n: int, seed: int, start: int, count: int) -> np.ndarray:
+    """The items at positions start .. start + count - 1 of an endless sequence of epochs, each
+    visiting all n items in an order drawn from (seed, epoch). A step's rows are consecutive
+    positions, so its batch depends only on (seed, step) (a resumed run draws what an
+    uninterrupted one would) and splits into micro-batches and over ranks without changing."""
+    positions = start + np.arange(count)
     epochs = positions // n
-    indices = np.empty(batch_size, dtype=np.int64)
+    indices = np.empty(count, dtype=np.int64)
     for epoch in np.unique(epochs):
         order = np.random.default_rng([seed, int(epoch)]).permutation(n)
         in_epoch = epochs == epoch
@@ -131,24 +134,29 @@ def epoch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
 
 
 class SFTLoader:
-    """Batches of fine-tuning sequences with the pretraining BatchLoader's interface: `batch(step)`
-    returns (inputs, targets) (B, T), the same for the same (seed, step).
+    """Batches of fine-tuning sequences with the pretraining BatchLoader's interface:
+    `batch(step, part)` returns (inputs, targets) (B, T), rows [part * B, (part + 1) * B) of the
+    `rows_per_step` rows of step `step` (every micro-batch of every rank), the same for the same
+    (seed, step).
 
     Every batch is padded to the longest sequence of the set, so all have one shape (a backend
     that captures the training step captures it once).
     """
 
-    def __init__(self, sequences: list[Encoded], batch_size: int, ctx_len: int, seed: int, pad_id: int):
+    def __init__(self, sequences: list[Encoded], batch_size: int, ctx_len: int, seed: int, pad_id: int,
+                 rows_per_step: int | None = None):
         if not sequences:
             raise ValueError("no examples to train on")
         if batch_size < 1 or seed < 0:
             raise ValueError(f"batch_size must be positive and seed non-negative, got {batch_size} and {seed}")
         self.sequences = sequences
         self.batch_size, self.ctx_len, self.seed, self.pad_id = batch_size, ctx_len, seed, pad_id
+        self.rows_per_step = rows_per_step or batch_size
         self.length = max(len(s.ids) for s in sequences) - 1
 
-    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        chosen = epoch_indices(len(self.sequences), self.batch_size, self.seed, step)
+    def batch(self, step: int, part: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        start = step * self.rows_per_step + part * self.batch_size
+        chosen = epoch_indices(len(self.sequences), self.seed, start, self.batch_size)
         return collate([self.sequences[i] for i in chosen], self.pad_id, self.length)
 
 
@@ -159,19 +167,24 @@ class SFTLoader:
 def new_run_from(base_dir: Path, out_dir: Path, tc: TrainConfig, stage: dict, log: Callable[[str], None]):
     """The base run's model and tokenizer, a fresh optimizer, and `out_dir` started as a new run
     directory holding them; `stage` (what kind of fine-tuning, on which data) joins the training
-    section of its config.json. Returns (model, tok, optimizer)."""
+    section of its config.json. Returns (model, tok, optimizer). Under mpiexec, rank 0 writes."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
-    if (out_dir / "config.json").exists():
-        raise ValueError(f"{out_dir} already holds a run: choose another --out")
-    if out_dir.resolve() == base_dir.resolve():
-        raise ValueError("--out must differ from --base: fine-tuning writes a new run directory")
+    job = distributed.world()
+    job.prepare(tc.backend)
+    if job.rank == 0:
+        if (out_dir / "config.json").exists():
+            raise ValueError(f"{out_dir} already holds a run: choose another --out")
+        if out_dir.resolve() == base_dir.resolve():
+            raise ValueError("--out must differ from --base: fine-tuning writes a new run directory")
+    job.barrier()
     model, tok = load_model(base_dir, tc.backend, tc.precision)
     log(f"base {base_dir}: {model.cfg.n_params():,} parameters, context {model.cfg.ctx_len} tokens")
     optimizer = make_optimizer(model, tc)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(out_dir / "tokenizer.json")
-    model.save(out_dir, training={**asdict(tc), "base": str(base_dir), **stage})
-    (out_dir / "metrics.jsonl").write_bytes(b"")
+    if job.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tok.save(out_dir / "tokenizer.json")
+        model.save(out_dir, training={**asdict(tc), "base": str(base_dir), **stage})
+        (out_dir / "metrics.jsonl").write_bytes(b"")
     return model, tok, optimizer
 
 
@@ -202,7 +215,7 @@ def start_sft(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, log: C
     log(f"data {data}: {len(train_examples)} training and {len(heldout)} held-out examples"
         + (f"; {n_truncated + n_truncated_heldout} truncated from the prompt side to fit {ctx_len} tokens"
            if n_truncated + n_truncated_heldout else ""))
-    train_loader = SFTLoader(train_seqs, tc.batch_size, ctx_len, tc.seed, tok.eos_id)
+    train_loader = SFTLoader(train_seqs, tc.batch_size, ctx_len, tc.seed, tok.eos_id, rows_per_step(tc))
     val_loader = SFTLoader(heldout_seqs, tc.batch_size, ctx_len, tc.seed + 1, tok.eos_id) if heldout else None
     return Run(Path(out_dir), tc, model, optimizer, tok, train_loader, val_loader, float("nan")), heldout
 

@@ -2,9 +2,10 @@
 
 Three launches and no host synchronisation, so a captured CUDA graph replays the whole step:
   1. each block sums the squares of its share of the gradients (float64) into partial[block];
-  2. one block adds the partials and writes the norm to device memory;
-  3. one thread per parameter reads the norm and sched = [lr, step] from device memory, clips
-     and updates params, m and v in place.
+  2. one block adds the partials into sum_squares (1,) in device memory (which
+     `reduce_sum_squares`, if given, then all-reduces across data-parallel ranks);
+  3. one thread per parameter reads sum_squares and sched = [lr, step] from device memory, clips
+     and updates params, m and v in place; thread 0 also writes the norm.
 Partials are summed in a fixed order: the norm is the same on every run.
 """
 
@@ -34,26 +35,31 @@ def _sum_squares(grads, partial):
 
 
 @cuda.jit(cache=True)
-def _norm(partial, norm):
-    # partial (blocks,) -> norm (1,) = sqrt(sum of partials); a single block
+def _total(partial, sum_squares):
+    # partial (blocks,) -> sum_squares (1,) float64 = sum of partials; a single block
     total = float64(0.0)
     for i in range(cuda.threadIdx.x, partial.shape[0], cuda.blockDim.x):
         total += partial[i]
     total = block_sum(total)
     if cuda.threadIdx.x == 0:
-        norm[0] = math.sqrt(total)
+        sum_squares[0] = total
 
 
 @cuda.jit(cache=True)
-def _update(params, grads, m, v, sched, norm, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm):
-    # params, grads, m, v (P,), sched (2,) = [lr, step], norm (1,) -> params, m, v updated in place
+def _update(params, grads, m, v, sched, sum_squares, norm_out, beta1, beta2, eps, weight_decay, n_decay,
+            max_grad_norm):
+    # params, grads, m, v (P,), sched (2,) = [lr, step], sum_squares (1,) float64 -> params, m, v
+    # updated in place, norm_out (1,) = sqrt(sum_squares)
     i = cuda.grid(1)
+    norm = float32(math.sqrt(sum_squares[0]))
+    if i == 0:
+        norm_out[0] = norm
     if i < params.shape[0]:
         lr = sched[0]
         step = sched[1]
         scale = float32(1.0)
         if max_grad_norm > 0:
-            scale = min(float32(1.0), max_grad_norm / (norm[0] + float32(CLIP_EPS)))
+            scale = min(float32(1.0), max_grad_norm / (norm + float32(CLIP_EPS)))
         g = grads[i] * scale
         mi = beta1 * m[i] + (float32(1.0) - beta1) * g
         vi = beta2 * v[i] + (float32(1.0) - beta2) * g * g
@@ -67,14 +73,18 @@ def _update(params, grads, m, v, sched, norm, beta1, beta2, eps, weight_decay, n
         params[i] = p - lr * mhat / (math.sqrt(vhat) + eps)
 
 
-def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm):
+def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm,
+            reduce_sum_squares=None):
     size = params.shape[0]
     blocks = min(MAX_PARTIALS, runtime.blocks_for(size, THREADS))
     partial = runtime.empty((blocks,), np.float64)
+    sum_squares = runtime.empty((1,), np.float64)
     norm = runtime.empty((1,), params.dtype)
     runtime.launch(_sum_squares, blocks, THREADS, grads, partial)
-    runtime.launch(_norm, 1, THREADS, partial, norm)
-    runtime.launch(_update, runtime.blocks_for(size, THREADS), THREADS, params, grads, m, v, sched, norm,
-                   float32(beta1), float32(beta2), float32(eps), float32(weight_decay), n_decay,
+    runtime.launch(_total, 1, THREADS, partial, sum_squares)
+    if reduce_sum_squares is not None:
+        reduce_sum_squares(sum_squares)
+    runtime.launch(_update, runtime.blocks_for(size, THREADS), THREADS, params, grads, m, v, sched, sum_squares,
+                   norm, float32(beta1), float32(beta2), float32(eps), float32(weight_decay), n_decay,
                    float32(max_grad_norm))
     return norm, ()

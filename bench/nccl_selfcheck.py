@@ -1,0 +1,100 @@
+"""First thing to run on a GPU machine: nanoeuler's NCCL communicator (nccl4py) on known arrays,
+launched eagerly and inside a captured CUDA graph, one rank per GPU:
+
+    mpiexec -n 2 python bench/nccl_selfcheck.py        # (-n 1 on a single GPU)
+
+Checks, each on every rank: all-reduce (float32 and the float64 the sharded AdamW uses),
+in-place reduce-scatter and all-gather (ZeRO-1), the host sums over MPI, then the same device
+collectives captured with the training step's recipe (Backend.capture) and replayed with new
+inputs. Prints one line per check on rank 0 and ends with "nccl self-check passed" (exit 0),
+or the first mismatch (exit 1).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from nanoeuler_core import registry
+from nanoeuler_core.engine.optim import shard
+from nanoeuler_core.training import distributed
+
+
+def main() -> int:
+    job = distributed.world()
+    job.prepare("cuda")
+    from numba import cuda
+
+    comm = job.collectives("cuda")
+    be = registry.backend("cuda")
+    n, size, rank = 1 << 20, job.size, job.rank  # a multiple of every rank count up to 8 and more
+    ranks = np.arange(size, dtype=np.float64)[:, None]
+    failures = []
+
+    def check(what: str, got, want) -> None:
+        ok = np.array_equal(np.asarray(got), np.asarray(want))
+        verdicts = job.allgather(ok)
+        if rank == 0:
+            print(f"{'ok  ' if all(verdicts) else 'FAIL'} {what} (ranks failing: {[r for r, v in enumerate(verdicts) if not v]})",
+                  flush=True)
+        if not all(verdicts):
+            failures.append(what)
+
+    print(f"rank {rank}/{size}: local rank {job.local_rank}, GPU {cuda.get_current_device().id} "
+          f"{cuda.get_current_device().name.decode() if isinstance(cuda.get_current_device().name, bytes) else cuda.get_current_device().name}",
+          flush=True)
+    job.barrier()
+
+    # eager, default stream
+    base = np.arange(n, dtype=np.float64) % 1000  # small integers: sums are exact in float32
+    buf = cuda.to_device((base + rank).astype(np.float32))
+    comm.all_reduce_sum(buf)
+    check("all-reduce float32", buf.copy_to_host(), (size * base + ranks.sum()).astype(np.float32))
+
+    sq = cuda.to_device(np.array([0.5 + rank], dtype=np.float64))
+    comm.all_reduce_sum(sq)
+    check("all-reduce float64 (the sum of squares of sharded AdamW)", sq.copy_to_host(), [0.5 * size + ranks.sum()])
+
+    lo, hi = shard(n, rank, size)
+    buf = cuda.to_device((base + rank).astype(np.float32))
+    comm.reduce_scatter_sum(buf)
+    check("reduce-scatter in place", buf.copy_to_host()[lo:hi], (size * base + ranks.sum()).astype(np.float32)[lo:hi])
+
+    full = np.full(n, -1.0, dtype=np.float32)
+    full[lo:hi] = base[lo:hi] * (rank + 1)
+    buf = cuda.to_device(full)
+    comm.all_gather(buf)
+    want = np.concatenate([base[a:b] * (r + 1) for r, (a, b) in enumerate(shard(n, r, size) for r in range(size))])
+    check("all-gather in place", buf.copy_to_host(), want.astype(np.float32))
+
+    check("host sum over MPI", comm.host_sum(np.array([rank, 1])), [ranks.sum(), size])
+    check("host concat over MPI", comm.host_concat(np.array([rank, rank])), np.repeat(np.arange(size), 2))
+
+    # captured in a CUDA graph (as the training step is), replayed with new inputs
+    src = cuda.to_device(np.zeros(n, dtype=np.float32))
+    work = be.zeros(n)
+
+    def step():
+        be.copy_(work, src)            # a kernel on the capture stream
+        comm.all_reduce_sum(work)      # NCCL on the same stream
+        comm.reduce_scatter_sum(work)  # then ZeRO-1's pair, in place
+        comm.all_gather(work)
+        return work
+
+    replay, result = be.capture(step)
+    for round_ in range(3):
+        src.copy_to_device((base * (round_ + 1) + rank).astype(np.float32))
+        out = replay().copy_to_host()
+        expect = size * (size * base * (round_ + 1) + ranks.sum())  # all-reduce, then reduce-scatter sums again
+        check(f"captured graph, replay {round_ + 1}: all-reduce, reduce-scatter, all-gather", out,
+              expect.astype(np.float32))
+    if rank == 0:
+        print("nccl self-check passed" if not failures else f"nccl self-check FAILED: {', '.join(failures)}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    with distributed.fail_together():
+        code = main()
+    sys.exit(code)

@@ -1,0 +1,333 @@
+"""Data-parallel training across processes: ranks from MPI, gradients summed by MPI or NCCL.
+
+    mpiexec -n 4 nanoeuler-run pretrain --backend cuda ...
+
+Each process (rank) holds the whole model. A step's global batch is ranks x micro-batches x
+--batch-size rows; rank r computes micro-batches r*K .. r*K + K - 1 of it and its gradients are
+summed in the model's buffer (nanoeuler_core.engine.optim); the optimizer then sums them over the
+ranks: MPI (mpi4py) all-reduces the host buffer for the CPU backends, NCCL (nccl4py) the device
+buffer for the CUDA backend, on the stream being captured, so the all-reduce is part of the
+step's CUDA graph. With ZeRO-1 (--zero 1) the gradients are reduce-scattered, each rank updates
+its shard of the parameters with its shard of the AdamW moments, and the shards are all-gathered.
+
+Started without mpiexec, everything runs as one process and nothing here imports MPI.
+
+Failure: with MPICH, mpiexec ends the whole job as soon as one rank exits abnormally. A rank that
+meets an error prints it and leaves at once, without the MPI finalisation that would wait for the
+others (`fail_together`); the other ranks print nothing of the same error (rank 0 reports it),
+so a failure every rank shares gives one line. A rank waiting on one that hangs stops after
+NANOEULER_DIST_TIMEOUT seconds without progress (`Watchdog`). Checkpoints are written by rank 0
+alone, atomically, so a job killed at any moment leaves the last one intact.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from nanoeuler_core.engine.optim import Collectives, shard
+
+# Set in every process that mpiexec starts: MPICH (Hydra) and Intel MPI, Open MPI, PMIx launchers.
+LAUNCHER_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+LAUNCHER_RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+TIMEOUT_ENV = "NANOEULER_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600.0   # a step, an evaluation and a checkpoint must fit in it
+REPORT_DELAY_S = 3.0        # ranks other than 0 wait this long before reporting an error (see fail_together)
+INSTALL_HINT = "pip install 'nanoeuler[dist]'"
+INSTALL_HINT_CUDA = "pip install 'nanoeuler[cuda,dist-cuda]'"
+
+
+def launched_by_mpiexec() -> bool:
+    return any(name in os.environ for name in LAUNCHER_SIZE_ENV)
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the launcher's environment gives it (0 without a launcher)."""
+    for name in LAUNCHER_RANK_ENV:
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+@dataclass
+class World:
+    """The ranks of this job. `mpi` is mpi4py's COMM_WORLD, or None for one process without mpiexec."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0   # among the ranks on this machine: which GPU this rank drives
+    local_size: int = 1
+    mpi: object = None
+    _collectives: dict | None = None
+    _device_ready: bool = False
+
+    @property
+    def distributed(self) -> bool:
+        return self.mpi is not None
+
+    def barrier(self) -> None:
+        if self.mpi is not None:
+            self.mpi.Barrier()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on any rank."""
+        if self.mpi is None:
+            return bool(flag)
+        return bool(self.mpi.allreduce(int(bool(flag))))
+
+    def allgather(self, obj) -> list:
+        """Every rank's (small, picklable) object, in rank order."""
+        return [obj] if self.mpi is None else self.mpi.allgather(obj)
+
+    def prepare(self, backend: str) -> None:
+        """Share this machine among its ranks before any model exists: CPU threads for the CPU
+        backends, one GPU per rank (chosen by local rank) for "cuda"."""
+        if self.mpi is None or self._device_ready:
+            return
+        if backend == "cuda":
+            _select_gpu(self.local_rank, self.local_size)
+        else:
+            _share_cpu_threads(self.local_size)
+        self._device_ready = True
+
+    def collectives(self, backend: str) -> Collectives | None:
+        """The gradient communicator of this job on `backend` (None for one process without mpiexec)."""
+        if self.mpi is None:
+            return None
+        self.prepare(backend)
+        self._collectives = self._collectives or {}
+        if backend not in self._collectives:
+            self._collectives[backend] = NcclCollectives(self) if backend == "cuda" else MpiCollectives(self.mpi)
+        return self._collectives[backend]
+
+
+_WORLD: World | None = None
+
+
+def world() -> World:
+    """The job's ranks: from MPI when mpiexec started this process, else one process (rank 0 of 1)."""
+    global _WORLD
+    if _WORLD is None:
+        _WORLD = _init_world() if launched_by_mpiexec() else World()
+    return _WORLD
+
+
+def _init_world() -> World:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ValueError(f"started by mpiexec, but mpi4py is not installed: {INSTALL_HINT}") from None
+    comm = MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    return World(rank=comm.Get_rank(), size=comm.Get_size(), local_rank=local.Get_rank(),
+                 local_size=local.Get_size(), mpi=comm)
+
+
+def _share_cpu_threads(local_size: int) -> None:
+    """Give each of the `local_size` ranks on this machine its share of the cores (Numba's
+    threads; OpenBLAS's where threadpoolctl is installed), unless the user chose a count."""
+    if local_size <= 1 or any(name in os.environ for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS")):
+        return
+    import numba
+
+    threads = max(1, (os.cpu_count() or 1) // local_size)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(threads, user_api="blas")
+
+
+def _select_gpu(local_rank: int, local_size: int) -> None:
+    """Make GPU `local_rank` current for Numba and cuda.core (before anything touches a GPU)."""
+    import numba
+    from numba import cuda
+
+    n_gpus = len(cuda.gpus)
+    if local_size > n_gpus:
+        raise ValueError(f"{local_size} ranks on this machine but {n_gpus} GPU{'s' if n_gpus != 1 else ''}: "
+                         f"start at most one rank per GPU (mpiexec -n {n_gpus})")
+    cuda.select_device(local_rank)
+    if not numba.config.ENABLE_CUDASIM:
+        from cuda.core import Device
+
+        Device(local_rank).set_current()  # the device cuda.core (graphs) and NCCL work on
+
+
+def memory_line(model, optimizer) -> str:
+    """What each rank holds: parameters, gradients and AdamW moments (its shard of them with
+    ZeRO-1) and, on GPUs, the device memory in use on each rank's GPU. Every rank must call it."""
+    item = np.dtype(model.backend.dtype).itemsize
+    state = 2 * (optimizer.hi - optimizer.lo) * item
+    line = (f"memory per rank: parameters and gradients {2 * model.n_params * item / 1e6:,.1f} MB, AdamW moments "
+            f"{state / 1e6:,.1f} MB" + (f" (1/{optimizer.comm.size} of them)" if optimizer.zero else ""))
+    if model.backend_name == "cuda":
+        import numba
+
+        if not numba.config.ENABLE_CUDASIM:
+            from numba import cuda
+
+            free, total = cuda.current_context().get_memory_info()
+            in_use = world().allgather(total - free)
+            line += "; GPU memory in use " + ", ".join(f"{b / 1e9:.2f}" for b in in_use) + " GB (by rank)"
+    return line
+
+
+# ------------------------------------------------------------------------------------------------
+# communicators (the engine's Collectives)
+
+
+class MpiCollectives:
+    """Collectives over MPI on host (NumPy) arrays: the CPU and reference backends."""
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+
+        self.comm, self.MPI = comm, MPI
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def all_reduce_sum(self, buf) -> None:
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+
+    def reduce_scatter_sum(self, buf) -> None:
+        lo, hi = shard(buf.size, self.rank, self.size)
+        mine = np.empty(hi - lo, dtype=buf.dtype)  # MPI forbids a receive buffer inside the send buffer
+        self.comm.Reduce_scatter_block(buf, mine, op=self.MPI.SUM)
+        buf[lo:hi] = mine
+
+    def all_gather(self, buf) -> None:
+        self.comm.Allgather(self.MPI.IN_PLACE, buf)
+
+    def host_sum(self, values: np.ndarray) -> np.ndarray:
+        values = np.ascontiguousarray(values)
+        total = np.empty_like(values)
+        self.comm.Allreduce(values, total, op=self.MPI.SUM)
+        return total
+
+    def host_concat(self, values: np.ndarray) -> np.ndarray:
+        values = np.ascontiguousarray(values)
+        out = np.empty(self.size * values.size, dtype=values.dtype)
+        self.comm.Allgather(values, out)
+        return out
+
+
+class NcclCollectives:
+    """Collectives over NCCL on CUDA device arrays (one GPU per rank), host arrays over MPI.
+
+    Device collectives go to the stream that the backend's kernels go to at that moment: the
+    graph builder's stream while the training step is captured, so they replay with the graph.
+    """
+
+    def __init__(self, world: World):
+        try:
+            import nccl.core as nccl
+        except ImportError:
+            raise ValueError(f"the cuda backend under mpiexec needs nccl4py: {INSTALL_HINT_CUDA}") from None
+        self.nccl = nccl
+        self.rank, self.size = world.rank, world.size
+        self.host = MpiCollectives(world.mpi)
+        uid = nccl.get_unique_id() if world.rank == 0 else None
+        uid = world.mpi.bcast(uid, root=0)
+        self.comm = nccl.Communicator.init(world.size, world.rank, uid)
+
+    @staticmethod
+    def _stream() -> int:
+        from nanoeuler_ops.cuda.runtime import stream_handle  # where backend work goes now (capture included)
+
+        return stream_handle()
+
+    def all_reduce_sum(self, buf) -> None:
+        self.comm.allreduce(buf, buf, self.nccl.SUM, stream=self._stream())
+
+    def reduce_scatter_sum(self, buf) -> None:
+        lo, hi = shard(buf.size, self.rank, self.size)
+        self.comm.reduce_scatter(buf, buf[lo:hi], self.nccl.SUM, stream=self._stream())  # in place
+
+    def all_gather(self, buf) -> None:
+        lo, hi = shard(buf.size, self.rank, self.size)
+        self.comm.allgather(buf[lo:hi], buf, stream=self._stream())  # in place
+
+    def host_sum(self, values: np.ndarray) -> np.ndarray:
+        return self.host.host_sum(values)
+
+    def host_concat(self, values: np.ndarray) -> np.ndarray:
+        return self.host.host_concat(values)
+
+
+# ------------------------------------------------------------------------------------------------
+# failure
+
+
+@contextmanager
+def fail_together():
+    """In a job of several ranks, end this rank at once on an error: one line for a user's error
+    (the traceback for anything else), then exit 1 without MPI's finalisation, which would wait
+    forever for ranks blocked in a collective; mpiexec then stops the others. Ranks other than 0
+    hold their report for a moment, so an error they all meet is reported once, by rank 0.
+
+    One process without mpiexec: errors pass through unchanged.
+    """
+    try:
+        yield
+    except (Exception, KeyboardInterrupt) as exc:
+        # the launcher's word where MPI did not start (mpi4py missing)
+        size = _WORLD.size if _WORLD is not None else int(next((os.environ[n] for n in LAUNCHER_SIZE_ENV
+                                                                  if n in os.environ), 1))
+        if size <= 1:
+            raise
+        rank = _WORLD.rank if _WORLD is not None else _launcher_rank()
+        user_error = isinstance(exc, (ValueError, OSError, ArithmeticError))
+        if isinstance(exc, KeyboardInterrupt):
+            message = "interrupted twice: stopping at once"
+        elif user_error and not os.environ.get("NANOEULER_DEBUG"):
+            message = str(exc)
+        else:
+            message = "".join(traceback.format_exception(exc)).rstrip()
+        if rank != 0:
+            if _WORLD is None:  # MPI did not start: mpiexec will not stop the others; rank 0 speaks for all
+                os._exit(1)
+            time.sleep(REPORT_DELAY_S)
+        print(f"error: {message}" if rank == 0 else f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+        os._exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+
+
+class Watchdog:
+    """Ends this rank if the training loop makes no progress for `timeout` seconds: a rank
+    waiting in a collective for one that hangs (or died under a launcher that does not stop the
+    job) would otherwise wait forever."""
+
+    def __init__(self, job: World, what: str, timeout: float | None = None):
+        self.job, self.what = job, what
+        self.timeout = timeout if timeout is not None else float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        self.last = time.monotonic()
+        self.note = ""  # where things stand (the last checkpoint), for the report
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="nanoeuler-watchdog")
+
+    def __enter__(self) -> "Watchdog":
+        if self.job.distributed:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def beat(self) -> None:
+        """Progress: the countdown starts again."""
+        self.last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            if time.monotonic() - self.last > self.timeout:
+                rank = f"rank {self.job.rank}: " if self.job.rank else ""
+                print(f"error: {rank}{self.what} made no progress for {self.timeout:.0f} s (another rank died or hangs); "
+                      f"stopping{self.note}", file=sys.stderr, flush=True)
+                os._exit(1)

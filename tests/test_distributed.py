@@ -1,0 +1,372 @@
+"""Data parallelism and gradient accumulation: micro-batches equal one big batch on every backend;
+`mpiexec -n 2` equals one process accumulating two micro-batches, with and without sharded AdamW
+state (ZeRO-1), through resume too; a killed or hung rank ends the job with the last checkpoint
+intact; Ctrl-C stops every rank after the same step; errors are one line.
+
+The multi-process tests run the CLI under MPICH's mpiexec (pip install '.[dist]'), one Numba
+thread per process so that runs of different shapes sum in the same order."""
+
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from nanoeuler_core.corpus.tokens import BatchLoader
+from nanoeuler_core.engine import checkpoint
+from nanoeuler_core.engine.gradcheck import tiny_config
+from nanoeuler_core.engine.model import Model
+from nanoeuler_core.engine.optim import AdamW, TrainStep
+from nanoeuler_core.training import dpo, sft
+from nanoeuler_core.training import pretrain as train
+from finetune_helpers import make_base_run, write_jsonl
+
+MPIEXEC = Path(sysconfig.get_path("scripts")) / "mpiexec"  # where pip put mpich's launcher
+needs_mpi = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs mpiexec and mpi4py: pip install '.[dist]'")
+ONE_THREAD = {"NUMBA_NUM_THREADS": "1"}
+
+
+def quiet(_msg):
+    pass
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """|a - b| / |b| over every tensor of two name -> array dicts."""
+    num = sum(float(np.sum((np.asarray(a[k], np.float64) - b[k]) ** 2)) for k in b)
+    return float(np.sqrt(num / sum(float(np.sum(np.asarray(b[k], np.float64) ** 2)) for k in b)))
+
+
+# ------------------------------------------------------------------------------------------------
+# in one process: micro-batches, loaders
+
+
+def _real_gpu() -> bool:
+    import numba
+    from numba import cuda
+
+    return not numba.config.ENABLE_CUDASIM and cuda.is_available()
+
+
+# On the CUDA simulator a step of even the tiny model takes about a minute: the kernels the
+# accumulation uses (add, copy, adamw) are checked there by the registry's gradcheck instead.
+@pytest.mark.parametrize("backend", ["reference", "cpu", pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _real_gpu(), reason="needs a real CUDA GPU")])])
+def test_micro_batches_equal_one_batch(backend):
+    """4 micro-batches of 1 row make the step of one batch of 4 rows (captured as one CUDA graph on
+    a GPU): the MTP weights count the whole step's targets (some ignored, some heads with fewer)."""
+    cfg = tiny_config()
+    results = []
+    for split in (False, True):
+        model = Model(cfg, backend=backend, seed=0)
+        model.backend.matmul_precision = "highest"  # float32 products (a training run in this process may have chosen TF32)
+        step = TrainStep(model, AdamW(model))
+        rows = np.random.default_rng(1)
+        history = []
+        for _ in range(3):
+            inputs = rows.integers(0, cfg.vocab_size, (4, 5))
+            targets = rows.integers(0, cfg.vocab_size, (4, 5))
+            targets[1, :4] = -1
+            targets[3, 2] = -1
+            batches = [(inputs[i:i + 1], targets[i:i + 1]) for i in range(4)] if split else [(inputs, targets)]
+            history.append(step.micro_batches(batches, 1e-2))
+        results.append((np.array(history), {n: np.array(w) for n, w in model.params.items()}))
+    (whole, w_whole), (split, w_split) = results
+    np.testing.assert_allclose(split, whole, rtol=1e-6 if backend != "reference" else 1e-12)
+    assert relative_difference(w_split, w_whole) < (1e-6 if backend != "reference" else 1e-12)
+
+
+def test_loaders_split_a_step_into_micro_batches(tok):
+    tokens = np.arange(5000, dtype=np.uint16) % 300
+    big, small = BatchLoader(tokens, 8, 16, seed=4), BatchLoader(tokens, 2, 16, seed=4)
+    for step in (1, 9):
+        whole = big.batch(step)
+        parts = [small.batch(step, part) for part in range(4)]
+        for i in (0, 1):
+            np.testing.assert_array_equal(np.concatenate([p[i] for p in parts]), whole[i])
+    seqs = [sft.encode_example(tok, sft.render_prompt(f"Say {i}."), str(i), 96) for i in range(7)]
+    big = sft.SFTLoader(seqs, 6, 96, seed=1, pad_id=tok.eos_id)
+    small = sft.SFTLoader(seqs, 2, 96, seed=1, pad_id=tok.eos_id, rows_per_step=6)
+    for step in (0, 3):
+        np.testing.assert_array_equal(np.concatenate([small.batch(step, p)[1] for p in range(3)]), big.batch(step)[1])
+
+
+def test_pretrain_grad_accum_4_equals_batch_4b(corpus_and_tokenizer, tmp_path):
+    runs = {}
+    for name, batch_size, grad_accum in (("big", 4, 1), ("accum", 1, 4)):
+        tc = train_config(corpus_and_tokenizer, batch_size=batch_size, grad_accum=grad_accum)
+        run = train.start_run(tmp_path / name, tc, quiet)
+        train.train(run, quiet)
+        runs[name] = run
+    assert np.allclose(metric_losses(tmp_path / "accum"), metric_losses(tmp_path / "big"), rtol=1e-6, atol=1e-5)
+    assert relative_difference(runs["accum"].model.params, runs["big"].model.params) < 1e-6
+
+
+def test_sft_and_dpo_grad_accum_equal_one_batch(tmp_path, tok):
+    base = make_base_run(tmp_path / "base", tok)
+    words = ("night", "sword", "crown", "blood", "heart", "grace", "honour", "tongue")
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"instruction": f"Reverse: {w}", "chosen": w[::-1], "rejected": w}
+                                                   for w in words])
+    tasks = write_jsonl(tmp_path / "tasks.jsonl", [{"instruction": f"Repeat: {w}", "output": w} for w in words])
+    params = {}
+    for name, batch_size, grad_accum in (("big", 4, 1), ("accum", 2, 2)):
+        tc = sft.fine_tune_config(base, steps=3, batch_size=batch_size, grad_accum=grad_accum, lr=1e-3, val_fraction=0.0)
+        run, _ = sft.start_sft(base, tasks, tmp_path / f"sft-{name}", tc, quiet)
+        train.train(run, quiet)
+        trainer = dpo.start_dpo(base, pairs, tmp_path / f"dpo-{name}", tc, 0.1, quiet)
+        trainer.train(quiet)
+        params[name] = (run.model.params, trainer.run.model.params)
+        for stage in ("sft", "dpo"):
+            params[name, stage] = metric_losses(tmp_path / f"{stage}-{name}")
+    for i in (0, 1):
+        assert relative_difference(params["accum"][i], params["big"][i]) < 1e-6
+    for stage in ("sft", "dpo"):
+        assert np.allclose(params["accum", stage], params["big", stage], rtol=1e-6, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# several processes under mpiexec
+
+
+@pytest.fixture(scope="module")
+def corpus_and_tokenizer(tmp_path_factory):
+    from test_train import CORPUS_CHARS
+    from nanoeuler_core.corpus.tokens import default_corpus
+    from nanoeuler_core.text.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("corpus")
+    text = default_corpus().read_text(encoding="utf-8")[:CORPUS_CHARS]
+    (folder / "shakespeare.txt").write_text(text, encoding="utf-8")
+    Tokenizer.train(text, 512).save(folder / "tokenizer.json")
+    return folder / "shakespeare.txt", folder / "tokenizer.json"
+
+
+def train_config(corpus_and_tokenizer, **overrides):
+    corpus, tokenizer = corpus_and_tokenizer
+    settings = dict(corpus=str(corpus), tokenizer=str(tokenizer), steps=4, batch_size=2, eval_every=2,
+                    eval_batches=3, ckpt_every=2)
+    return train.TrainConfig(**{**settings, **overrides})
+
+
+def metric_losses(run_dir: Path) -> list[float]:
+    return [orjson.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+
+
+def pretrain_args(corpus_and_tokenizer, out, *extra, steps=6):
+    corpus, tokenizer = corpus_and_tokenizer
+    return ["pretrain", "--corpus", corpus, "--tokenizer", tokenizer, "--steps", steps, "--decay-steps", 6,
+            "--batch-size", 2, "--eval-every", 3, "--ckpt-every", 3, "--sample-prompt", "x", "--out", out, *extra]
+
+
+def command(args, ranks: int | None = None) -> list[str]:
+    launcher = [str(MPIEXEC), "-n", str(ranks)] if ranks else []
+    return [*launcher, sys.executable, "-m", "nanoeuler_core.cli", *map(str, args)]
+
+
+def run(args, ranks: int | None = None, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(command(args, ranks), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **ONE_THREAD, **(env or {})})
+
+
+def checked(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def saved_state(run_dir: Path) -> tuple[dict, dict]:
+    return (checkpoint.load_tensors(run_dir / "model.safetensors")[0],
+            checkpoint.load_tensors(run_dir / "optimizer.safetensors")[0])
+
+
+def assert_same_run(a: Path, b: Path, rtol: float = 1e-6) -> None:
+    """Losses step for step and final weights and AdamW moments within `rtol` (relative)."""
+    np.testing.assert_allclose(metric_losses(a), metric_losses(b), rtol=rtol, atol=0)
+    (wa, oa), (wb, ob) = saved_state(a), saved_state(b)
+    assert relative_difference(wa, wb) <= rtol and relative_difference(oa, ob) <= rtol
+
+
+@pytest.fixture(scope="module")
+def runs(corpus_and_tokenizer, tmp_path_factory):
+    """Six steps of batch 2 x 128: one process accumulating 2 micro-batches; 2 ranks; 2 ranks
+    with sharded AdamW state; 2 ranks stopped at step 3 and resumed."""
+    if not MPIEXEC.exists():
+        pytest.skip("needs mpiexec and mpi4py: pip install '.[dist]'")
+    root = tmp_path_factory.mktemp("dp")
+    checked(run(pretrain_args(corpus_and_tokenizer, root / "accum", "--grad-accum", 2)))
+    checked(run(pretrain_args(corpus_and_tokenizer, root / "ranks"), ranks=2))
+    checked(run(pretrain_args(corpus_and_tokenizer, root / "zero", "--zero", 1), ranks=2))
+    checked(run(pretrain_args(corpus_and_tokenizer, root / "resumed", steps=3), ranks=2))
+    checked(run(["pretrain", "--resume", root / "resumed", "--steps", 6, "--sample-prompt", "x"], ranks=2))
+    return root
+
+
+@needs_mpi
+def test_two_ranks_equal_one_process_accumulating_two_micro_batches(runs):
+    ranks = checked(run(["generate", runs / "ranks", "It", "--max-new-tokens", 3, "--seed", 0]))
+    assert ranks.stdout.startswith("It")
+    assert_same_run(runs / "ranks", runs / "accum")
+
+
+@needs_mpi
+def test_zero_1_equals_plain_data_parallel(runs):
+    assert_same_run(runs / "zero", runs / "ranks")
+
+
+@needs_mpi
+def test_two_rank_run_resumes_exactly(runs):
+    assert_same_run(runs / "resumed", runs / "ranks", rtol=0)
+
+
+@needs_mpi
+def test_sharded_checkpoint_resumes_in_one_process(corpus_and_tokenizer, runs, tmp_path):
+    """A ZeRO-1 checkpoint is the full optimizer state: it resumes without --zero, on one rank."""
+    checked(run(pretrain_args(corpus_and_tokenizer, tmp_path / "zero", "--zero", 1, steps=3), ranks=2))
+    checked(run(["pretrain", "--resume", tmp_path / "zero", "--steps", 6, "--grad-accum", 2, "--zero", 0,
+                 "--sample-prompt", "x"]))
+    assert_same_run(tmp_path / "zero", runs / "accum")
+
+
+@needs_mpi
+def test_dpo_two_ranks_equal_one_process_accumulating(tmp_path, tok):
+    base = make_base_run(tmp_path / "base", tok)
+    words = ("night", "sword", "crown", "blood", "heart", "grace", "honour", "tongue")
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"instruction": f"Reverse: {w}", "chosen": w[::-1], "rejected": w}
+                                                   for w in words])
+    common = ["dpo", "--base", base, "--data", pairs, "--steps", 3, "--batch-size", 2, "--val-fraction", 0.25,
+              "--eval-every", 3]
+    checked(run([*common, "--out", tmp_path / "accum", "--grad-accum", 2]))
+    two = checked(run([*common, "--out", tmp_path / "ranks"], ranks=2))
+    assert two.stdout.count("after DPO") == 1  # rank 0 reports
+    assert_same_run(tmp_path / "ranks", tmp_path / "accum")
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the processes mpiexec started, found through /proc (PMI_RANK in their environment)."""
+    found, todo = {}, [launcher_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(child) for child in (task / "children").read_text().split()]
+            for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                if entry.startswith(b"PMI_RANK="):
+                    found[int(entry.split(b"=")[1])] = pid
+        except OSError:
+            continue
+    return found
+
+
+def start_long_run(corpus_and_tokenizer, run_dir: Path, env: dict | None = None) -> subprocess.Popen:
+    """A 2-rank run of many steps, checkpointing every 2; returns once it has logged 4 steps."""
+    args = pretrain_args(corpus_and_tokenizer, run_dir, steps=100_000)
+    args[args.index("--ckpt-every") + 1] = 2
+    args[args.index("--eval-every") + 1] = 100_000
+    proc = subprocess.Popen(command(args, ranks=2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **ONE_THREAD, **(env or {})})
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_bytes().count(b"\n") >= 4):
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()
+    return proc
+
+
+def assert_checkpoint_resumes(run_dir: Path) -> int:
+    resumed = train.resume_run(run_dir, {}, quiet)
+    step = resumed.optimizer.step_count
+    assert step >= 4 and step % 2 == 0
+    assert checkpoint.load_tensors(run_dir / "model.safetensors")[1]["step"] == str(step)
+    return step
+
+
+@needs_mpi
+def test_killed_rank_ends_the_job_and_the_checkpoint_stays_intact(corpus_and_tokenizer, tmp_path):
+    proc = start_long_run(corpus_and_tokenizer, tmp_path / "run")
+    os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)
+    start = time.time()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and time.time() - start < 30
+    assert "Killed (signal 9)" in out + err  # mpiexec's report of the rank that died
+    assert_checkpoint_resumes(tmp_path / "run")
+
+
+@needs_mpi
+def test_hung_rank_stops_the_job_after_the_timeout(corpus_and_tokenizer, tmp_path):
+    proc = start_long_run(corpus_and_tokenizer, tmp_path / "run", env={"NANOEULER_DIST_TIMEOUT": "3"})
+    os.kill(rank_pids(proc.pid)[1], signal.SIGSTOP)  # alive but silent: rank 0 waits in the all-reduce
+    start = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and time.time() - start < 30
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "made no progress for 3 s" in errors[0] and "is intact" in errors[0], err
+    assert_checkpoint_resumes(tmp_path / "run")
+
+
+@needs_mpi
+def test_ctrl_c_stops_every_rank_after_the_same_step(corpus_and_tokenizer, tmp_path):
+    proc = start_long_run(corpus_and_tokenizer, tmp_path / "run")
+    proc.send_signal(signal.SIGINT)  # mpiexec passes it to every rank
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.count("interrupted: checkpoint at step") == 1 and "Traceback" not in err
+    step = int(err.split("checkpoint at step ")[1].split()[0])
+    assert train.resume_run(tmp_path / "run", {}, quiet).optimizer.step_count == step
+    assert len(metric_losses(tmp_path / "run")) == step
+
+
+@needs_mpi
+def test_errors_are_one_line(corpus_and_tokenizer, tmp_path):
+    cases = [
+        # the CUDA simulator (tests) or a real machine with fewer GPUs than ranks
+        ((pretrain_args(corpus_and_tokenizer, tmp_path / "a", "--backend", "cuda"), 2),
+         "2 ranks on this machine but 1 GPU"),
+        ((pretrain_args(corpus_and_tokenizer, tmp_path / "b", "--zero", 1), 3), "3 ranks do not divide them"),
+        ((pretrain_args(corpus_and_tokenizer, tmp_path / "c", "--grad-accum", 0), 2), "--grad-accum must be at least 1"),
+    ]
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        cases.pop(0)
+    for (args, ranks), message in cases:
+        result = run(args, ranks=ranks, timeout=120)
+        lines = result.stderr.strip().splitlines()  # (mpiexec may print a banner of its own on stdout)
+        assert result.returncode != 0 and len(lines) == 1 and message in lines[0], (args, result.stderr)
+    # started by mpiexec, but mpi4py cannot be imported
+    script = ("import sys; sys.modules['mpi4py'] = None; sys.argv[0] = 'nanoeuler-run'\n"
+              "from nanoeuler_core.cli import main; main()")
+    args = map(str, pretrain_args(corpus_and_tokenizer, tmp_path / "d"))
+    result = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-c", script, *args], capture_output=True,
+                            text=True, timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and "mpi4py is not installed" in lines[0], result.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# on a real GPU (bench/run_gpu_dist.sh runs these)
+
+@pytest.mark.gpu
+@needs_mpi
+@pytest.mark.skipif(not _real_gpu(), reason="needs a real CUDA GPU")
+def test_nccl_self_check_on_one_gpu():
+    result = subprocess.run([str(MPIEXEC), "-n", "1", sys.executable, "bench/nccl_selfcheck.py"], capture_output=True,
+                            text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0 and "nccl self-check passed" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.gpu
+@needs_mpi
+@pytest.mark.skipif(not _real_gpu(), reason="needs a real CUDA GPU")
+def test_captured_step_with_nccl_and_zero_equals_the_plain_step_on_one_gpu():
+    """One rank: the NCCL all-reduce (or ZeRO-1's reduce-scatter and all-gather) inside the graph
+    changes nothing: the same losses and norms, step for step, micro-batches included."""
+    histories = []
+    for variant in ("plain", "allreduce", "zero"):
+        result = subprocess.run([str(MPIEXEC), "-n", "1", sys.executable, "bench/bench_dist.py", "--variant", variant,
+                                 "--preset", "small", "--batch-size", "4", "--grad-accum", "2", "--steps", "4",
+                                 "--warmup", "1"], capture_output=True, text=True, timeout=600,
+                                cwd=Path(__file__).parent.parent)
+        assert result.returncode == 0, result.stderr
+        histories.append(orjson.loads(result.stdout.strip().splitlines()[-1])["loss_and_norm"])
+    assert histories[0] == histories[1] == histories[2]
