@@ -1,15 +1,52 @@
 #!/usr/bin/env bash
-# GPU validation and benchmarks in one go (what bench/RESULTS.md's GPU figures come from):
-# the GPU tests (kernels and whole model, selftest included), the training benchmark against
-# PyTorch, and a short `gpu`-preset pretraining run. Logs go to LOG_DIR (default: gpu-logs/).
-#   bash bench/run_gpu.sh [LOG_DIR]
+# Every GPU figure in bench/RESULTS.md, in stages (all by default); logs under LOG_DIR.
+#   bash bench/run_gpu.sh [LOG_DIR] [training] [generation] [dist]
+#   training:   the CUDA kernel tests (fp32 and bf16), selftest in bf16, per-kernel timings in bf16,
+#               the training step against PyTorch (bf16 autocast, eager and torch.compile; TF32 too),
+#               and 500 steps of bf16, fp32 and PyTorch bf16 from the same weights and batches
+#   generation: a `gpu` model trained 300 steps, decoding tests and the decoding benchmark
+#   dist:       the NCCL communicator and the captured step with the all-reduce inside (one rank)
+# Needs torch for the peers; the dist stage needs mpich, mpi4py and nccl4py (bench/RESULTS.md).
 set -uo pipefail
 log_dir=${1:-gpu-logs}
+shift || true
+stages=${*:-training generation dist}
 mkdir -p "$log_dir"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$log_dir/gpu.txt"
-python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_cuda_model.py -p no:cacheprovider 2>&1 | tee "$log_dir/gpu_tests.log"
-python3 -m nanoeuler_core.cli bench --preset gpu --backend cuda --batch-size 32 --steps 10 --warmup 3 --profile \
-    2>&1 | tee "$log_dir/bench_gpu.log"
-python3 -m nanoeuler_core.cli pretrain --preset gpu --backend cuda --steps 60 --batch-size 32 --eval-every 30 \
-    --ckpt-every 60 --out /tmp/nanoeuler-run-gpu 2>&1 | tail -n 8 | tee "$log_dir/pretrain_gpu.log"
+quiet() { grep -v -E "NumbaPerformanceWarning|warn\(errors"; }
+NE="python3 -m nanoeuler_core.cli"
+
+for stage in $stages; do case $stage in
+training)
+    timeout 240 python3 -m pytest -q -m gpu tests/test_tensor_cores.py tests/test_cuda.py tests/test_precision.py \
+        -p no:cacheprovider -W ignore::numba.core.errors.NumbaPerformanceWarning 2>&1 | tail -n 12 | tee "$log_dir/tests.log"
+    timeout 200 $NE selftest --backend cuda --precision bf16 2>&1 | quiet | tee "$log_dir/selftest_bf16.log"
+    timeout 120 python3 bench/bench_kernels_cuda.py --precision bf16 2>&1 | quiet | tee "$log_dir/kernels_bf16.log"
+    timeout 240 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 --warmup 3 --profile \
+        2>&1 | quiet | tee "$log_dir/bench_bf16.log"
+    timeout 90 $NE bench --preset gpu --backend cuda --batch-size 32 --precision tf32 --steps 10 --warmup 3 --no-peers \
+        2>&1 | quiet | tee "$log_dir/bench_tf32.log"
+    timeout 240 python3 bench/loss_parity.py --preset gpu --steps 500 --batch-size 8 2>&1 | quiet | tee "$log_dir/loss_parity.log"
+    ;;
+generation)
+    run_dir=/tmp/nanoeuler-gen/run
+    rm -rf /tmp/nanoeuler-gen
+    timeout 150 $NE pretrain --preset gpu --backend cuda --steps 300 --batch-size 16 --eval-every 100 --ckpt-every 300 \
+        --sample-prompt "ROMEO:" --out "$run_dir" 2>&1 | tail -n 8 | tee "$log_dir/pretrain_gpu.log"
+    timeout 200 python3 bench/bench_generate.py --preset gpu --backend cuda --run "$run_dir" --batch-size 1 --prompt 16 \
+        --tokens 256 2>&1 | quiet | tee "$log_dir/generate_b1.log"
+    timeout 120 python3 bench/bench_generate.py --preset gpu --backend cuda --run "$run_dir" --batch-size 8 --prompt 16 \
+        --tokens 256 --no-peers 2>&1 | quiet | tee "$log_dir/generate_b8.log"
+    timeout 200 python3 -m pytest -q -m gpu tests/test_generate_gpu.py -p no:cacheprovider \
+        -W ignore::numba.core.errors.NumbaPerformanceWarning 2>&1 | tail -n 8 | tee "$log_dir/generate_tests.log"
+    ;;
+dist)
+    mpiexec=$(command -v mpiexec || echo /tmp/site/bin/mpiexec)
+    timeout 120 "$mpiexec" -n 1 python3 bench/nccl_selfcheck.py 2>&1 | quiet | tee "$log_dir/nccl_selfcheck.log"
+    for variant in plain allreduce zero plain allreduce zero; do
+        timeout 90 "$mpiexec" -n 1 python3 bench/bench_dist.py --variant "$variant" --batch-size 32 --steps 20 --warmup 3
+    done 2>&1 | quiet | tee "$log_dir/dist_steps.jsonl"
+    python3 bench/dist_compare.py steps "$log_dir/dist_steps.jsonl" | tee "$log_dir/dist_summary.txt"
+    ;;
+esac; done
