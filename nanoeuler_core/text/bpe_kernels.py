@@ -1,7 +1,10 @@
 """Numba kernels for byte-level BPE: learning merges from a corpus, and applying them to words.
 
-Both take words as one array: the bytes of every distinct pretoken laid end to end, with offsets.
-Merge r joins a pair of earlier ids into the new id 256 + r.
+All take words as one array: the symbols of every distinct pretoken laid end to end, with offsets.
+In nanoeuler's own tokenizers merge r joins a pair of earlier ids into the new id 256 + r
+(`learn_merges`, `apply_merges`); a tokenizer from elsewhere has its own ids for the bytes and
+for what each merge makes, and is applied with Hugging Face's exact algorithm
+(`apply_merges_queued`).
 
 Training (`learn_merges`) computes pair counts once; after that each merge visits only the
 positions where its pair occurs (found through per-pair occurrence lists) and adjusts the counts
@@ -270,13 +273,20 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
 
 
 @njit(cache=True)
-def _merge_rank(pair_keys, pair_ranks, left, right):
-    # pair_keys (P,) sorted, pair_ranks (P,) -> rank of merge (left, right), or -1
+def _merge_index(pair_keys, left, right):
+    # pair_keys (P,) sorted -> index of merge (left, right) in pair_keys, or -1
     key = _pair_key(left, right)
     i = np.searchsorted(pair_keys, key)
     if i < pair_keys.shape[0] and pair_keys[i] == key:
-        return pair_ranks[i]
+        return i
     return -1
+
+
+@njit(cache=True)
+def _merge_rank(pair_keys, pair_ranks, left, right):
+    # pair_keys (P,) sorted, pair_ranks (P,) -> rank of merge (left, right), or -1
+    i = _merge_index(pair_keys, left, right)
+    return pair_ranks[i] if i >= 0 else -1
 
 
 @njit(cache=True)
@@ -312,4 +322,99 @@ def apply_merges(symbols, word_offsets, pair_keys, pair_ranks):
                 kept += 1
             n = kept - start
         lengths[w] = n
+    return lengths
+
+
+@njit(cache=True)
+def _queue_push(queue, size, rank, position, new_id):
+    # queue (Q, 3) rows (rank, position, new id), a min-heap on (rank, position) -> new size
+    queue[size, 0], queue[size, 1], queue[size, 2] = rank, position, new_id
+    i = size
+    while i > 0:
+        parent = (i - 1) // 2
+        if (queue[parent, 0], queue[parent, 1]) <= (queue[i, 0], queue[i, 1]):
+            break
+        _swap_rows(queue, i, parent)
+        i = parent
+    return size + 1
+
+
+@njit(cache=True)
+def _queue_pop(queue, size):
+    # queue (Q, 3) -> new size; the removed smallest entry is left in row `new size`
+    size -= 1
+    _swap_rows(queue, 0, size)
+    i = 0
+    while True:
+        child = 2 * i + 1
+        if child >= size:
+            break
+        if child + 1 < size and (queue[child + 1, 0], queue[child + 1, 1]) < (queue[child, 0], queue[child, 1]):
+            child += 1
+        if (queue[i, 0], queue[i, 1]) <= (queue[child, 0], queue[child, 1]):
+            break
+        _swap_rows(queue, i, child)
+        i = child
+    return size
+
+
+@njit(cache=True)
+def apply_merges_queued(symbols, word_offsets, pair_keys, pair_ranks, merged_ids):
+    # symbols (L,) int32: initial token ids of the words end to end; rewritten so word w's token
+    #   ids start at word_offsets[w]
+    # word_offsets (W+1,) int64; pair_keys (P,) int64 sorted; pair_ranks (P,), merged_ids (P,) int64
+    #   aligned with them: merge (left, right) has rank pair_ranks[i] and makes token merged_ids[i]
+    # -> lengths (W,) int64: the number of tokens of each word
+    # Hugging Face's BPE exactly (Word::merge_all): candidate merges wait in a min-queue on
+    # (rank, position); a popped one is skipped if its left symbol was absorbed, or if the pair
+    # now at its position makes a different token. When two merges spell the same token this
+    # can differ from `apply_merges`' strict rank order, and Hugging Face's result is the one kept.
+    W = word_offsets.shape[0] - 1
+    lengths = np.empty(W, np.int64)
+    longest = 0
+    for w in range(W):
+        longest = max(longest, word_offsets[w + 1] - word_offsets[w])
+    queue = np.empty((3 * longest + 1, 3), np.int64)  # n - 1 initial entries, at most 2 per merge
+    token = np.empty(longest, np.int64)
+    prev = np.empty(longest, np.int64)
+    next_ = np.empty(longest, np.int64)
+    alive = np.empty(longest, np.bool_)
+    for w in range(W):
+        start = word_offsets[w]
+        n = word_offsets[w + 1] - start
+        size = 0
+        for i in range(n):
+            token[i], prev[i], next_[i], alive[i] = symbols[start + i], i - 1, i + 1, True
+        if n > 0:
+            next_[n - 1] = -1
+        for i in range(n - 1):
+            m = _merge_index(pair_keys, token[i], token[i + 1])
+            if m >= 0:
+                size = _queue_push(queue, size, pair_ranks[m], i, merged_ids[m])
+        while size > 0:
+            size = _queue_pop(queue, size)
+            pos, new_id = queue[size, 1], queue[size, 2]
+            right = next_[pos]
+            if not alive[pos] or right == -1:
+                continue
+            m = _merge_index(pair_keys, token[pos], token[right])
+            if m < 0 or merged_ids[m] != new_id:
+                continue  # a stale entry: the pair at pos changed since it was queued
+            token[pos], alive[right], next_[pos] = new_id, False, next_[right]
+            if next_[pos] != -1:
+                prev[next_[pos]] = pos
+            if prev[pos] >= 0:
+                m = _merge_index(pair_keys, token[prev[pos]], token[pos])
+                if m >= 0:
+                    size = _queue_push(queue, size, pair_ranks[m], prev[pos], merged_ids[m])
+            if next_[pos] != -1:
+                m = _merge_index(pair_keys, token[pos], token[next_[pos]])
+                if m >= 0:
+                    size = _queue_push(queue, size, pair_ranks[m], pos, merged_ids[m])
+        kept, i = 0, 0
+        while n > 0 and i != -1:
+            symbols[start + kept] = token[i]
+            kept += 1
+            i = next_[i]
+        lengths[w] = kept
     return lengths
