@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import orjson
@@ -52,6 +52,9 @@ class TrainConfig:
     val_fraction: float = 0.1
     tf32: bool = True                   # CUDA: TF32 tensor-core matrix products (no effect on the CPU)
     eager: bool = False                 # launch every kernel from Python instead of replaying a captured step
+    eval_hellaswag_every: int = 0       # HellaSwag acc/acc_norm every N steps into metrics.jsonl (0: never)
+    hellaswag_file: str | None = None   # default: corpora/hellaswag/hellaswag_val.jsonl (`data hellaswag`)
+    hellaswag_limit: int | None = None  # score only the first N items (default: all)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -69,6 +72,8 @@ class TrainConfig:
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if self.seed < 0:
             raise ValueError(f"--seed must be non-negative, got {self.seed}")
+        if self.eval_hellaswag_every < 0:
+            raise ValueError(f"--eval-hellaswag-every must be non-negative, got {self.eval_hellaswag_every}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -238,9 +243,11 @@ def _eta(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
+def train(run: Run, log: Callable[[str], None] = print,
+          extra_evals: Sequence[tuple[int, Callable[[Model], dict]]] = ()) -> tuple[dict, bool]:
     """Train from the run's current step to `config.steps`; returns the last metrics row and
-    whether Ctrl-C stopped it.
+    whether Ctrl-C stopped it. Each (every, metrics) of `extra_evals` adds metrics(model) to the
+    row every `every` steps and at the last (HellaSwag, from the eval room, is one).
 
     Ctrl-C lets the current step finish, saves a checkpoint and returns; a second Ctrl-C stops at once.
     """
@@ -277,11 +284,14 @@ def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
                 if step % tc.eval_every == 0 or step == tc.steps:
                     val_loss, val_next = evaluate(run)
                     row["val_loss"], row["val_next_token_loss"] = round(val_loss, 5), round(val_next, 5)
+                for every, extra_metrics in extra_evals:
+                    if step % every == 0 or step == tc.steps:
+                        row |= extra_metrics(model)
                 metrics.write(orjson.dumps(row) + b"\n")
                 metrics.flush()
                 rate = (time.perf_counter() - start) / (step - first_step)
-                progress.update(step, f"step {step}/{tc.steps} | loss {loss:.3f} | val {val_loss:.3f} "
-                                      f"(next token {val_next:.3f}) | "
+                val = f" | val {val_loss:.3f} (next token {val_next:.3f})" if math.isfinite(val_loss) else ""
+                progress.update(step, f"step {step}/{tc.steps} | loss {loss:.3f}{val} | "
                                       f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(rate * (tc.steps - step))} left")
                 if step % tc.ckpt_every == 0 or step == tc.steps or interrupted:
                     save_checkpoint(run)
