@@ -193,20 +193,28 @@ def smol_tokenizer():
     return hf_tok
 
 
-def tiny_llama(folder: Path, hf_tok, tied: bool, **config) -> Path:
-    """A random Llama checkpoint directory written by transformers itself, with a tokenizer."""
+def tiny_llama(folder: Path, hf_tok, tied: bool) -> Path:
+    """A random Llama checkpoint directory written by transformers itself, with a tokenizer. The
+    tied one is laid out like SmolLM2 (tied embeddings, rope_theta 100000, bfloat16 weights, its
+    extra config keys) and sharded; the untied one is float32 in one file."""
     torch.manual_seed(0)
     settings = dict(vocab_size=hf_tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=100000.0,
-                    rms_norm_eps=1e-5, tie_word_embeddings=tied)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**settings, **config}))
+                    rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
+    if tied:
+        settings |= dict(is_llama_config=True, rope_interleaved=False, pretraining_tp=1)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings))
     with torch.no_grad():  # norms away from 1, so that a mixed-up norm weight shows
         for name, tensor in model.named_parameters():
             if name.endswith("norm.weight"):
                 tensor.uniform_(0.5, 1.5)
-    model.save_pretrained(folder, max_shard_size="100KB" if tied else "1GB")  # tied: several shards and an index
+    if tied:
+        model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="40KB")
+    else:
+        model.save_pretrained(folder)
     hf_tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    if not tied:  # the other finds its end-of-text token through config.json's eos_token_id
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return folder
 
 
@@ -225,6 +233,7 @@ def test_import_reads_shards_and_ties(imported):
     assert config["n_mtp"] == 1 and config["ctx_len"] == 64 and config["rope_theta"] == 100000.0
     tied = json.loads((source / "config.json").read_text())["tie_word_embeddings"]
     assert (source / hf.INDEX_FILE).exists() == tied
+    assert (json.loads((source / "config.json").read_text()).get("dtype") == "bfloat16") == tied
     model, tok = load_model(run)
     assert tok.eos_id == 0 and tok.vocab_size == 384
     if tied:

@@ -36,12 +36,10 @@ def _grow_rows(table, needed):
 
 
 @njit(cache=True)
-def _outranks(heap, i, j, pairs):
-    # heap (H, 2) rows (count, pair), pairs (P, 4): does entry i pop before entry j?
-    # Higher count first; ties go to the smaller pair key, so training is deterministic.
-    if heap[i, 0] != heap[j, 0]:
-        return heap[i, 0] > heap[j, 0]
-    return pairs[heap[i, 1], KEY] < pairs[heap[j, 1], KEY]
+def _outranks(heap, i, j):
+    # heap (H, 3) rows (priority, tie-break, payload): does entry i pop before entry j?
+    # The larger priority first, then the larger tie-break.
+    return heap[i, 0] > heap[j, 0] or (heap[i, 0] == heap[j, 0] and heap[i, 1] > heap[j, 1])
 
 
 @njit(cache=True)
@@ -51,14 +49,13 @@ def _swap_rows(heap, i, j):
 
 
 @njit(cache=True)
-def _heap_push(heap, size, count, pair, pairs):
-    # heap (H, 2) with H > size -> new size
-    heap[size, 0] = count
-    heap[size, 1] = pair
+def _heap_push(heap, size, priority, tie_break, payload):
+    # heap (H, 3) with H > size, a max-heap on (priority, tie-break) -> new size
+    heap[size, 0], heap[size, 1], heap[size, 2] = priority, tie_break, payload
     i = size
     while i > 0:
         parent = (i - 1) // 2
-        if not _outranks(heap, i, parent, pairs):
+        if not _outranks(heap, i, parent):
             break
         _swap_rows(heap, i, parent)
         i = parent
@@ -66,8 +63,8 @@ def _heap_push(heap, size, count, pair, pairs):
 
 
 @njit(cache=True)
-def _heap_pop(heap, size, pairs):
-    # heap (H, 2) -> new size; the removed top entry is left in row `new size`
+def _heap_pop(heap, size):
+    # heap (H, 3) -> new size; the removed top entry is left in row `new size`
     size -= 1
     _swap_rows(heap, 0, size)
     i = 0
@@ -75,9 +72,9 @@ def _heap_pop(heap, size, pairs):
         child = 2 * i + 1
         if child >= size:
             break
-        if child + 1 < size and _outranks(heap, child + 1, child, pairs):
+        if child + 1 < size and _outranks(heap, child + 1, child):
             child += 1
-        if not _outranks(heap, child, i, pairs):
+        if not _outranks(heap, child, i):
             break
         _swap_rows(heap, i, child)
         i = child
@@ -193,10 +190,12 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
     for p in range(L):
         if next_pos[p] >= 0:
             _add_pair(pair_index, pairs, occurrences, sizes, symbols[p], symbols[next_pos[p]], position_count[p], p)
-    heap = np.empty((max(sizes[N_PAIRS], 1), 2), np.int64)
+    # Heap rows (count, -pair key, pair): the most frequent pair first, ties to the smaller pair
+    # key, so training is deterministic.
+    heap = np.empty((max(sizes[N_PAIRS], 1), 3), np.int64)
     heap_size = 0
     for pair in range(sizes[N_PAIRS]):
-        heap_size = _heap_push(heap, heap_size, pairs[pair, COUNT], pair, pairs)
+        heap_size = _heap_push(heap, heap_size, pairs[pair, COUNT], -pairs[pair, KEY], pair)
 
     V = 256 + n_new_tokens
     trie_child = Dict.empty(key_type=types.int64, value_type=types.int64)
@@ -212,12 +211,12 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
     n_merges = 0
     n_tokens = 256
     while n_tokens < V and heap_size > 0:
-        heap_size = _heap_pop(heap, heap_size, pairs)
-        count, pair = heap[heap_size, 0], heap[heap_size, 1]
+        heap_size = _heap_pop(heap, heap_size)
+        count, pair = heap[heap_size, 0], heap[heap_size, 2]
         current = pairs[pair, COUNT]
         if count != current:  # stale entry: the pair lost occurrences since it was pushed
             if 0 < current < count:
-                heap_size = _heap_push(heap, heap_size, current, pair, pairs)
+                heap_size = _heap_push(heap, heap_size, current, -pairs[pair, KEY], pair)
             continue
         left, right = pairs[pair, KEY] >> 32, pairs[pair, KEY] & 0xFFFFFFFF
 
@@ -267,7 +266,7 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
         heap = _grow_rows(heap, heap_size + n_touched)
         for i in range(n_touched):
             if pairs[touched[i], COUNT] > 0:
-                heap_size = _heap_push(heap, heap_size, pairs[touched[i], COUNT], touched[i], pairs)
+                heap_size = _heap_push(heap, heap_size, pairs[touched[i], COUNT], -pairs[touched[i], KEY], touched[i])
         progress[0] = n_tokens - 256
     return merges[:n_merges]
 
@@ -326,39 +325,6 @@ def apply_merges(symbols, word_offsets, pair_keys, pair_ranks):
 
 
 @njit(cache=True)
-def _queue_push(queue, size, rank, position, new_id):
-    # queue (Q, 3) rows (rank, position, new id), a min-heap on (rank, position) -> new size
-    queue[size, 0], queue[size, 1], queue[size, 2] = rank, position, new_id
-    i = size
-    while i > 0:
-        parent = (i - 1) // 2
-        if (queue[parent, 0], queue[parent, 1]) <= (queue[i, 0], queue[i, 1]):
-            break
-        _swap_rows(queue, i, parent)
-        i = parent
-    return size + 1
-
-
-@njit(cache=True)
-def _queue_pop(queue, size):
-    # queue (Q, 3) -> new size; the removed smallest entry is left in row `new size`
-    size -= 1
-    _swap_rows(queue, 0, size)
-    i = 0
-    while True:
-        child = 2 * i + 1
-        if child >= size:
-            break
-        if child + 1 < size and (queue[child + 1, 0], queue[child + 1, 1]) < (queue[child, 0], queue[child, 1]):
-            child += 1
-        if (queue[i, 0], queue[i, 1]) <= (queue[child, 0], queue[child, 1]):
-            break
-        _swap_rows(queue, i, child)
-        i = child
-    return size
-
-
-@njit(cache=True)
 def apply_merges_queued(symbols, word_offsets, pair_keys, pair_ranks, merged_ids):
     # symbols (L,) int32: initial token ids of the words end to end; rewritten so word w's token
     #   ids start at word_offsets[w]
@@ -374,6 +340,7 @@ def apply_merges_queued(symbols, word_offsets, pair_keys, pair_ranks, merged_ids
     longest = 0
     for w in range(W):
         longest = max(longest, word_offsets[w + 1] - word_offsets[w])
+    # Queue rows (-rank, -position, new id) in a max-heap: the smallest (rank, position) first.
     queue = np.empty((3 * longest + 1, 3), np.int64)  # n - 1 initial entries, at most 2 per merge
     token = np.empty(longest, np.int64)
     prev = np.empty(longest, np.int64)
@@ -390,10 +357,10 @@ def apply_merges_queued(symbols, word_offsets, pair_keys, pair_ranks, merged_ids
         for i in range(n - 1):
             m = _merge_index(pair_keys, token[i], token[i + 1])
             if m >= 0:
-                size = _queue_push(queue, size, pair_ranks[m], i, merged_ids[m])
+                size = _heap_push(queue, size, -pair_ranks[m], -i, merged_ids[m])
         while size > 0:
-            size = _queue_pop(queue, size)
-            pos, new_id = queue[size, 1], queue[size, 2]
+            size = _heap_pop(queue, size)
+            pos, new_id = -queue[size, 1], queue[size, 2]
             right = next_[pos]
             if not alive[pos] or right == -1:
                 continue
@@ -406,11 +373,11 @@ def apply_merges_queued(symbols, word_offsets, pair_keys, pair_ranks, merged_ids
             if prev[pos] >= 0:
                 m = _merge_index(pair_keys, token[prev[pos]], token[pos])
                 if m >= 0:
-                    size = _queue_push(queue, size, pair_ranks[m], prev[pos], merged_ids[m])
+                    size = _heap_push(queue, size, -pair_ranks[m], -prev[pos], merged_ids[m])
             if next_[pos] != -1:
                 m = _merge_index(pair_keys, token[pos], token[next_[pos]])
                 if m >= 0:
-                    size = _queue_push(queue, size, pair_ranks[m], pos, merged_ids[m])
+                    size = _heap_push(queue, size, -pair_ranks[m], -pos, merged_ids[m])
         kept, i = 0, 0
         while n > 0 and i != -1:
             symbols[start + kept] = token[i]
