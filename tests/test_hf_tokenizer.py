@@ -152,6 +152,9 @@ def test_save_load_round_trip_and_eos_from_tokenizer_config(pairs, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
     chat_tuned = Tokenizer.load(tmp_path / "tokenizer.json")
     assert chat_tuned.eos_id == hf.token_to_id("<|im_end|>") and chat_tuned.hash != ours.hash
+    (tmp_path / "copy").mkdir()
+    chat_tuned.save(tmp_path / "copy" / "tokenizer.json")  # the end-of-text token goes along
+    assert Tokenizer.load(tmp_path / "copy" / "tokenizer.json").eos_id == hf.token_to_id("<|im_end|>")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
     with pytest.raises(TokenizerError, match="no end-of-text token '<|nope|>'"):
         Tokenizer.load(tmp_path / "tokenizer.json").eos_id

@@ -346,8 +346,7 @@ def import_checkpoint(hf_dir: Path, out_dir: Path, n_mtp: int | None = None, ctx
     # settings of the larger preset (peak lr 3e-4); sft and dpo take their own.
     training = {**asdict(TrainConfig(preset="gpu", steps=1000)), "imported_from": str(hf_dir)}
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(out_dir / "tokenizer.json")
-    checkpoint.write_json(out_dir / "tokenizer_config.json", {"eos_token": tok.token_bytes(tok.eos_id).decode()})
+    tok.save(out_dir / "tokenizer.json")  # with tokenizer_config.json naming its end-of-text token
     checkpoint.save_tensors(out_dir / "model.safetensors", {name: params[name] for name in expected})
     checkpoint.write_json(out_dir / "config.json", {"format": FORMAT, **cfg.to_dict(), "training": training})
     log(f"imported {hf_dir} ({cfg.n_params():,} parameters, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "

@@ -458,13 +458,7 @@ class Tokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write `tokenizer.json` atomically (temporary file, fsync, rename)."""
-        path = Path(path)
-        temporary = path.with_name(f".{path.name}.tmp")
-        with open(temporary, "wb") as f:
-            f.write(orjson.dumps(self.to_hf_json(), option=orjson.OPT_INDENT_2))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
+        _write_atomically(Path(path), orjson.dumps(self.to_hf_json(), option=orjson.OPT_INDENT_2))
 
     @classmethod
     def load(cls, path: str | os.PathLike, eos: str | None = None) -> Tokenizer:
@@ -616,6 +610,20 @@ class HFTokenizer(Tokenizer):
         """The document this tokenizer was read from (what `save` writes)."""
         return orjson.loads(orjson.dumps(self._document))
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Write `tokenizer.json` atomically, and the end-of-text token as `eos_token` of a
+        tokenizer_config.json beside it (Hugging Face's place for it, where `load` looks)."""
+        super().save(path)
+        eos = self._eos_token()
+        if eos is not None:
+            config_path = Path(path).with_name("tokenizer_config.json")
+            try:
+                config = orjson.loads(config_path.read_bytes())
+            except (OSError, orjson.JSONDecodeError):
+                config = {}
+            config = {**(config if isinstance(config, dict) else {}), "eos_token": eos}
+            _write_atomically(config_path, orjson.dumps(config, option=orjson.OPT_INDENT_2))
+
     def _pretokenize(self, text: str) -> list[str]:
         pieces = [text] if text else []
         for step in self._steps:
@@ -635,6 +643,16 @@ class HFTokenizer(Tokenizer):
 
 # End-of-text tokens by their usual names, for a tokenizer.json loaded without an `eos`.
 EOS_NAMES = (EOS, "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<eos>", "<|eot_id|>")
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`: temporary file, fsync, rename."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
 
 
 def configured_eos(folder: Path) -> str | None:
