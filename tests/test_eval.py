@@ -234,3 +234,19 @@ def test_plot_errors_are_one_line(tmp_path, monkeypatch, capsys):
     for run, message in ((tmp_path / "fresh", "has no metrics to plot"), (tmp_path / "missing", "does not exist")):
         code, _, stderr = run_cli(monkeypatch, capsys, "plot", run, "--out", tmp_path / "c.png")
         assert code == 1 and stderr.count("\n") == 1 and message in stderr, stderr
+
+
+@pytest.mark.gpu
+def test_eval_on_the_gpu_gives_the_cpu_scores(run_dir, tmp_path):
+    import numba
+    from numba import cuda
+
+    if numba.config.ENABLE_CUDASIM or not cuda.is_available():
+        pytest.skip("needs a real CUDA GPU")
+    scores = {}
+    for backend in ("cpu", "cuda"):
+        done = cli_process("eval", run_dir, "--data", FIXTURE, "--backend", backend, "--out", tmp_path / f"{backend}.json")
+        assert done.returncode == 0, done.stderr
+        items = json.loads((tmp_path / f"{backend}.json").read_text())["items"]
+        scores[backend] = np.array([item["logprobs"] for item in items])
+    assert np.allclose(scores["cuda"], scores["cpu"], rtol=2e-3)  # TF32 matrix products on the GPU

@@ -102,7 +102,7 @@ def chat_template() -> str:
 
     return (
         "{%- for message in messages -%}"
-        "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) or message['role'] not in ['user', 'assistant'] -%}"
+        "{%- if message['role'] != ['user', 'assistant'][loop.index0 % 2] -%}"
         "{{ raise_exception('roles must alternate user, assistant, user, ... starting with the user') }}"
         "{%- endif -%}"
         "{%- endfor -%}"
@@ -223,7 +223,7 @@ def model_config_from_hf(config: dict, path: Path, n_mtp: int, ctx_len: int | No
     dim, n_heads = get("hidden_size"), get("num_attention_heads")
     head_dim = get("head_dim")
     if head_dim is not None and isinstance(dim, int) and isinstance(n_heads, int) and head_dim * n_heads != dim:
-        _refuse(path, "head_dim", head_dim, f"heads must have hidden_size / num_attention_heads = {dim // n_heads} dims")
+        _refuse(path, "head_dim", head_dim, f"a head has hidden_size / num_attention_heads = {dim // n_heads} dims")
     positions = get("max_position_embeddings")
     try:
         cfg = ModelConfig(

@@ -784,7 +784,8 @@ def _literal_regex(text: str, limit: int) -> re.Pattern:
 # Oniguruma escapes `re` lacks or reads differently; \p{..} and \s, \S, \d, \D are translated.
 _UNSUPPORTED_ESCAPES = set("wWbBhHRXKGzZAyYQEgk")
 _CATEGORIES = {
-    "L", "M", "N", "P", "S", "Z", "C", "Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Me", "Nd", "Nl", "No", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po",
+    "L", "M", "N", "P", "S", "Z", "C", "Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Me", "Nd", "Nl", "No",
+    "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po",
     "Sm", "Sc", "Sk", "So", "Zs", "Zl", "Zp", "Cc", "Cf", "Co", "Cs", "Cn"}
 
 
