@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from nanoeuler_core.cli import data, engine, finetune, tokenizer, train
+from nanoeuler_core.cli import data, engine, evaluate, finetune, interop, tokenizer, train
 
 app = typer.Typer(help="nanoeuler: train, check and sample a GPT-2-class model on a hand-written Numba engine.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -16,6 +16,8 @@ app.add_typer(data.app, name="data")
 engine.register(app)
 train.register(app)
 finetune.register(app)
+interop.register(app)
+evaluate.register(app)
 
 
 def main() -> None:

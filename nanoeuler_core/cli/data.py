@@ -20,7 +20,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from nanoeuler_core.corpus import downloads as datasets
 
 app = typer.Typer(
-    help="Download real corpora: Project Gutenberg books, a FineWeb-Edu slice, the Alpaca instruction set.",
+    help="Download real corpora (Project Gutenberg books, a FineWeb-Edu slice, the Alpaca instruction set) "
+         "and the HellaSwag validation set.",
     no_args_is_help=True,
 )
 
@@ -70,6 +71,18 @@ def alpaca(
         examples = sum(1 for _ in lines)
     typer.echo(f"{examples} instruction examples in {path}; fine-tune on them: "
                f"nanoeuler-run sft --base RUN_DIR --data {path}")
+
+
+@app.command()
+def hellaswag(
+    out: Annotated[Path, typer.Option(help="JSONL file to write.")] = datasets.HELLASWAG_DEFAULT,
+    url: Annotated[str, typer.Option(help="Where to download hellaswag_val.jsonl from.")] = datasets.HELLASWAG_URL,
+) -> None:
+    """The HellaSwag validation set (10,042 items), checked against its pinned SHA-256."""
+    with _download_session() as progress:
+        path = datasets.hellaswag(out, url=url, progress=progress)
+    typer.echo(f"HellaSwag validation set in {path}; score a run on it: nanoeuler-run eval RUN_DIR --task hellaswag "
+               f"--data {path}")
 
 
 @contextmanager

@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from nanoeuler_core.cli.evaluate import hellaswag_file
+from nanoeuler_core.eval import hellaswag
 from nanoeuler_core.inference.decode import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling
 from nanoeuler_core.inference.loading import load_model
@@ -43,6 +45,11 @@ def pretrain(
     sample_prompt: str = typer.Option("\n", help="prompt of the sample printed at the end"),
     precision: Optional[str] = typer.Option(None, help=PRECISION_HELP + "; with --resume: the run's own"),
     eager: bool = typer.Option(False, help="CUDA: launch each kernel from Python instead of replaying the captured step"),
+    eval_hellaswag_every: Optional[int] = typer.Option(None, help="HellaSwag acc and acc_norm every N steps "
+                                                                  "into metrics.jsonl (default: never)"),
+    hellaswag_file: Optional[Path] = typer.Option(None, help="HellaSwag JSONL (default: where `data hellaswag` "
+                                                             "puts it)"),
+    hellaswag_limit: Optional[int] = typer.Option(None, help="score only the first N HellaSwag items"),
 ) -> None:
     """Pretrain a model; with no arguments, the `small` preset on the bundled corpus on the CPU.
 
@@ -50,21 +57,30 @@ def pretrain(
     with distributed.fail_together():
         job = distributed.world()
         log = rank0_log(job)
+        hellaswag_settings = {name: value for name, value in (
+            ("eval_hellaswag_every", eval_hellaswag_every), ("hellaswag_file", hellaswag_file and str(hellaswag_file)),
+            ("hellaswag_limit", hellaswag_limit)) if value is not None}
         if resume is not None:
             overrides = ({"backend": backend, "precision": precision, "eager": eager}
                          | {k: v for k, v in (("steps", steps), ("grad_accum", grad_accum), ("zero", zero)) if v is not None})
-            run = training.resume_run(resume, overrides, log)
+            run = training.resume_run(resume, overrides | hellaswag_settings, log)
         else:
             tc = training.TrainConfig(preset=preset, backend=backend, corpus=str(corpus) if corpus else None,
                                       tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
                                       batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
                                       zero=zero or 0,
                                       lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
-                                      ckpt_every=ckpt_every, precision=precision, eager=eager)
+                                      ckpt_every=ckpt_every, precision=precision, eager=eager, **hellaswag_settings)
+            if tc.eval_hellaswag_every:
+                hellaswag_path(tc)  # a missing file fails now, not after minutes of tokenizer training
             run = training.start_run(out, tc, log)
         log_run(run, log)
         log(f"unigram baseline loss: {run.unigram_loss:.3f} nats (a model that ignores context)")
-        row, interrupted = training.train(run, log)
+        extra_evals = []
+        if run.config.eval_hellaswag_every:
+            extra_evals.append((run.config.eval_hellaswag_every, hellaswag.training_metrics(
+                run.tok, hellaswag_path(run.config), run.model.cfg.ctx_len, run.config.hellaswag_limit)))
+        row, interrupted = training.train(run, log, extra_evals)
         log(distributed.memory_line(run.model, run.optimizer))
     if interrupted:
         raise typer.Exit(130)
@@ -75,6 +91,9 @@ def pretrain(
         log(f"done: step {row['step']}, train loss {row['loss']:.3f} (mean of the {cfg.n_mtp} heads), validation "
             f"{row.get('val_loss', float('nan')):.3f}, next-token validation {row.get('val_next_token_loss', float('nan')):.3f} "
             f"(unigram baseline {run.unigram_loss:.3f}); run saved in {run.dir}")
+        if "hellaswag_acc_norm" in row:
+            log(f"HellaSwag: acc {row['hellaswag_acc']:.1%}, acc_norm {row['hellaswag_acc_norm']:.1%} (random: 25%)")
+    log(f"plot its curves: nanoeuler-run plot {run.dir} --out {run.dir / 'curves.png'}")
     typer.echo(f"--- sample ({sample_prompt!r}, temperature 0.8, top-k 40) ---")
     typer.echo(sample_prompt, nl=False)
     run.model.generate(run.tok, sample_prompt, max_new_tokens=200, temperature=0.8, top_k=40, seed=run.config.seed,
@@ -98,6 +117,10 @@ def log_run(run, log) -> None:
                   f"{training.rows_per_step(tc)} sequences per step")
     log(f"run {run.dir}: {cfg.n_params():,} parameters ({tc.preset}), backend {tc.backend} ({tc.precision}), {shape}, "
         f"steps {run.optimizer.step_count} -> {tc.steps}")
+
+
+def hellaswag_path(tc: training.TrainConfig) -> Path:
+    return hellaswag_file(Path(tc.hellaswag_file) if tc.hellaswag_file else None)
 
 
 def stream_text(piece: str) -> None:

@@ -1,4 +1,5 @@
-"""Real corpora, as the original pipeline had them: Project Gutenberg books, a FineWeb-Edu slice, Alpaca.
+"""Real corpora, as the original pipeline had them: Project Gutenberg books, a FineWeb-Edu slice, Alpaca;
+and the HellaSwag validation set for evaluation.
 
 Every download goes through `download`: progress reported to a callback, a partial download kept
 as `<file>.part` and resumed with an HTTP Range request (also retried within one call), and a
@@ -13,6 +14,7 @@ Output layout (`out` is the folder given to each function):
     gutenberg: out/raw/pg<ID>.txt (as downloaded), out/gutenberg.txt (the corpus)
     fineweb:   out/raw/<shard>.parquet,             out/fineweb.txt   (the corpus)
     alpaca:    <folder of out>/alpaca_data.json,    out               (JSONL, one example a line)
+    hellaswag: out                                                    (JSONL, as published)
 
 In the FineWeb corpus, documents are separated by a line holding only `</s>`; `load_tokens`
 turns that line into the tokenizer's end-of-document id (see nanoeuler_core/data.py). Gutenberg
@@ -38,6 +40,10 @@ GUTENBERG_URL = "https://www.gutenberg.org/cache/epub"
 FINEWEB_URL = "https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu/resolve/main/sample/10BT"
 FINEWEB_SHARDS = tuple(f"{i:03d}_00000.parquet" for i in range(14))  # about 2 GB each
 ALPACA_URL = "https://raw.githubusercontent.com/tatsu-lab/stanford_alpaca/main/alpaca_data.json"
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+# 12,246,618 bytes, 10,042 items; the digest tensorflow_datasets pins for the same URL
+HELLASWAG_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
+HELLASWAG_DEFAULT = Path("corpora/hellaswag/hellaswag_val.jsonl")  # where `data hellaswag` puts it and `eval` looks
 MANIFEST = "SHA256SUMS"
 USER_AGENT = "nanoeuler-data/0.1"
 BLOCK_SIZE = 1 << 16
@@ -362,3 +368,14 @@ def parse_alpaca(data: bytes, source: str = "alpaca") -> list[dict[str, str]]:
         except ValueError as e:
             raise DatasetError(str(e)) from None
     return examples
+
+
+# ---------------------------------------------------------------------------------------------
+# HellaSwag
+
+
+def hellaswag(out: Path, *, url: str = HELLASWAG_URL, sha256: str | None = HELLASWAG_SHA256,
+              progress: Progress | None = None, **download_options) -> Path:
+    """Download the HellaSwag validation set (JSONL, 10,042 items) to `out`, checked against its
+    pinned SHA-256 and recorded in the folder's manifest."""
+    return fetch(url, out.parent, out.name, sha256=sha256, progress=progress, **download_options)

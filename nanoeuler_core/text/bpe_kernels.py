@@ -1,7 +1,10 @@
 """Numba kernels for byte-level BPE: learning merges from a corpus, and applying them to words.
 
-Both take words as one array: the bytes of every distinct pretoken laid end to end, with offsets.
-Merge r joins a pair of earlier ids into the new id 256 + r.
+All take words as one array: the symbols of every distinct pretoken laid end to end, with offsets.
+In nanoeuler's own tokenizers merge r joins a pair of earlier ids into the new id 256 + r
+(`learn_merges`, `apply_merges`); a tokenizer from elsewhere has its own ids for the bytes and
+for what each merge makes, and is applied with Hugging Face's exact algorithm
+(`apply_merges_queued`).
 
 Training (`learn_merges`) computes pair counts once; after that each merge visits only the
 positions where its pair occurs (found through per-pair occurrence lists) and adjusts the counts
@@ -33,12 +36,10 @@ def _grow_rows(table, needed):
 
 
 @njit(cache=True)
-def _outranks(heap, i, j, pairs):
-    # heap (H, 2) rows (count, pair), pairs (P, 4): does entry i pop before entry j?
-    # Higher count first; ties go to the smaller pair key, so training is deterministic.
-    if heap[i, 0] != heap[j, 0]:
-        return heap[i, 0] > heap[j, 0]
-    return pairs[heap[i, 1], KEY] < pairs[heap[j, 1], KEY]
+def _outranks(heap, i, j):
+    # heap (H, 3) rows (priority, tie-break, payload): does entry i pop before entry j?
+    # The larger priority first, then the larger tie-break.
+    return heap[i, 0] > heap[j, 0] or (heap[i, 0] == heap[j, 0] and heap[i, 1] > heap[j, 1])
 
 
 @njit(cache=True)
@@ -48,14 +49,13 @@ def _swap_rows(heap, i, j):
 
 
 @njit(cache=True)
-def _heap_push(heap, size, count, pair, pairs):
-    # heap (H, 2) with H > size -> new size
-    heap[size, 0] = count
-    heap[size, 1] = pair
+def _heap_push(heap, size, priority, tie_break, payload):
+    # heap (H, 3) with H > size, a max-heap on (priority, tie-break) -> new size
+    heap[size, 0], heap[size, 1], heap[size, 2] = priority, tie_break, payload
     i = size
     while i > 0:
         parent = (i - 1) // 2
-        if not _outranks(heap, i, parent, pairs):
+        if not _outranks(heap, i, parent):
             break
         _swap_rows(heap, i, parent)
         i = parent
@@ -63,8 +63,8 @@ def _heap_push(heap, size, count, pair, pairs):
 
 
 @njit(cache=True)
-def _heap_pop(heap, size, pairs):
-    # heap (H, 2) -> new size; the removed top entry is left in row `new size`
+def _heap_pop(heap, size):
+    # heap (H, 3) -> new size; the removed top entry is left in row `new size`
     size -= 1
     _swap_rows(heap, 0, size)
     i = 0
@@ -72,9 +72,9 @@ def _heap_pop(heap, size, pairs):
         child = 2 * i + 1
         if child >= size:
             break
-        if child + 1 < size and _outranks(heap, child + 1, child, pairs):
+        if child + 1 < size and _outranks(heap, child + 1, child):
             child += 1
-        if not _outranks(heap, child, i, pairs):
+        if not _outranks(heap, child, i):
             break
         _swap_rows(heap, i, child)
         i = child
@@ -190,10 +190,12 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
     for p in range(L):
         if next_pos[p] >= 0:
             _add_pair(pair_index, pairs, occurrences, sizes, symbols[p], symbols[next_pos[p]], position_count[p], p)
-    heap = np.empty((max(sizes[N_PAIRS], 1), 2), np.int64)
+    # Heap rows (count, -pair key, pair): the most frequent pair first, ties to the smaller pair
+    # key, so training is deterministic.
+    heap = np.empty((max(sizes[N_PAIRS], 1), 3), np.int64)
     heap_size = 0
     for pair in range(sizes[N_PAIRS]):
-        heap_size = _heap_push(heap, heap_size, pairs[pair, COUNT], pair, pairs)
+        heap_size = _heap_push(heap, heap_size, pairs[pair, COUNT], -pairs[pair, KEY], pair)
 
     V = 256 + n_new_tokens
     trie_child = Dict.empty(key_type=types.int64, value_type=types.int64)
@@ -209,12 +211,12 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
     n_merges = 0
     n_tokens = 256
     while n_tokens < V and heap_size > 0:
-        heap_size = _heap_pop(heap, heap_size, pairs)
-        count, pair = heap[heap_size, 0], heap[heap_size, 1]
+        heap_size = _heap_pop(heap, heap_size)
+        count, pair = heap[heap_size, 0], heap[heap_size, 2]
         current = pairs[pair, COUNT]
         if count != current:  # stale entry: the pair lost occurrences since it was pushed
             if 0 < current < count:
-                heap_size = _heap_push(heap, heap_size, current, pair, pairs)
+                heap_size = _heap_push(heap, heap_size, current, -pairs[pair, KEY], pair)
             continue
         left, right = pairs[pair, KEY] >> 32, pairs[pair, KEY] & 0xFFFFFFFF
 
@@ -264,19 +266,26 @@ def learn_merges(symbols, word_offsets, word_counts, n_new_tokens, progress):
         heap = _grow_rows(heap, heap_size + n_touched)
         for i in range(n_touched):
             if pairs[touched[i], COUNT] > 0:
-                heap_size = _heap_push(heap, heap_size, pairs[touched[i], COUNT], touched[i], pairs)
+                heap_size = _heap_push(heap, heap_size, pairs[touched[i], COUNT], -pairs[touched[i], KEY], touched[i])
         progress[0] = n_tokens - 256
     return merges[:n_merges]
 
 
 @njit(cache=True)
-def _merge_rank(pair_keys, pair_ranks, left, right):
-    # pair_keys (P,) sorted, pair_ranks (P,) -> rank of merge (left, right), or -1
+def _merge_index(pair_keys, left, right):
+    # pair_keys (P,) sorted -> index of merge (left, right) in pair_keys, or -1
     key = _pair_key(left, right)
     i = np.searchsorted(pair_keys, key)
     if i < pair_keys.shape[0] and pair_keys[i] == key:
-        return pair_ranks[i]
+        return i
     return -1
+
+
+@njit(cache=True)
+def _merge_rank(pair_keys, pair_ranks, left, right):
+    # pair_keys (P,) sorted, pair_ranks (P,) -> rank of merge (left, right), or -1
+    i = _merge_index(pair_keys, left, right)
+    return pair_ranks[i] if i >= 0 else -1
 
 
 @njit(cache=True)
@@ -312,4 +321,67 @@ def apply_merges(symbols, word_offsets, pair_keys, pair_ranks):
                 kept += 1
             n = kept - start
         lengths[w] = n
+    return lengths
+
+
+@njit(cache=True)
+def apply_merges_queued(symbols, word_offsets, pair_keys, pair_ranks, merged_ids):
+    # symbols (L,) int32: initial token ids of the words end to end; rewritten so word w's token
+    #   ids start at word_offsets[w]
+    # word_offsets (W+1,) int64; pair_keys (P,) int64 sorted; pair_ranks (P,), merged_ids (P,) int64
+    #   aligned with them: merge (left, right) has rank pair_ranks[i] and makes token merged_ids[i]
+    # -> lengths (W,) int64: the number of tokens of each word
+    # Hugging Face's BPE exactly (Word::merge_all): candidate merges wait in a min-queue on
+    # (rank, position); a popped one is skipped if its left symbol was absorbed, or if the pair
+    # now at its position makes a different token. When two merges spell the same token this
+    # can differ from `apply_merges`' strict rank order, and Hugging Face's result is the one kept.
+    W = word_offsets.shape[0] - 1
+    lengths = np.empty(W, np.int64)
+    longest = 0
+    for w in range(W):
+        longest = max(longest, word_offsets[w + 1] - word_offsets[w])
+    # Queue rows (-rank, -position, new id) in a max-heap: the smallest (rank, position) first.
+    queue = np.empty((3 * longest + 1, 3), np.int64)  # n - 1 initial entries, at most 2 per merge
+    token = np.empty(longest, np.int64)
+    prev = np.empty(longest, np.int64)
+    next_ = np.empty(longest, np.int64)
+    alive = np.empty(longest, np.bool_)
+    for w in range(W):
+        start = word_offsets[w]
+        n = word_offsets[w + 1] - start
+        size = 0
+        for i in range(n):
+            token[i], prev[i], next_[i], alive[i] = symbols[start + i], i - 1, i + 1, True
+        if n > 0:
+            next_[n - 1] = -1
+        for i in range(n - 1):
+            m = _merge_index(pair_keys, token[i], token[i + 1])
+            if m >= 0:
+                size = _heap_push(queue, size, -pair_ranks[m], -i, merged_ids[m])
+        while size > 0:
+            size = _heap_pop(queue, size)
+            pos, new_id = -queue[size, 1], queue[size, 2]
+            right = next_[pos]
+            if not alive[pos] or right == -1:
+                continue
+            m = _merge_index(pair_keys, token[pos], token[right])
+            if m < 0 or merged_ids[m] != new_id:
+                continue  # a stale entry: the pair at pos changed since it was queued
+            token[pos], alive[right], next_[pos] = new_id, False, next_[right]
+            if next_[pos] != -1:
+                prev[next_[pos]] = pos
+            if prev[pos] >= 0:
+                m = _merge_index(pair_keys, token[prev[pos]], token[pos])
+                if m >= 0:
+                    size = _heap_push(queue, size, -pair_ranks[m], -prev[pos], merged_ids[m])
+            if next_[pos] != -1:
+                m = _merge_index(pair_keys, token[pos], token[next_[pos]])
+                if m >= 0:
+                    size = _heap_push(queue, size, -pair_ranks[m], -pos, merged_ids[m])
+        kept, i = 0, 0
+        while n > 0 and i != -1:
+            symbols[start + kept] = token[i]
+            kept += 1
+            i = next_[i]
+        lengths[w] = kept
     return lengths

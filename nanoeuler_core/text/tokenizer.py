@@ -14,6 +14,11 @@ Training counts pretokens once, then runs the merge loop in Numba (`bpe_kernels`
 applies merges by rank as Hugging Face's BPE model does (in Numba, for the pretokens missing
 from a cache of encoded ones); `encode_batch` spreads large batches over all cores.
 
+`Tokenizer.load` also reads byte-level BPE tokenizer.json files made elsewhere (`HFTokenizer`:
+the GPT-2, Llama 3 and SmolLM2 families, with their own vocabulary, merges, added tokens and
+pre-tokenizer: ByteLevel, Split on a regex, Digits, in a Sequence); they encode as Hugging Face
+`tokenizers` does with `encode(text, add_special_tokens=False)`.
+
 Letters, numbers and spaces are those of the running Python's Unicode database (Unicode 14 on
 Python 3.11). Code points assigned in later Unicode versions count as punctuation-like here but
 may be letters to Hugging Face's regex engine; text using them still round-trips, but can split
@@ -74,16 +79,28 @@ def _class_body(codepoints: Iterable[int]) -> str:
 
 
 @functools.cache
+def _categories(limit: int) -> list[str]:
+    return list(map(unicodedata.category, map(chr, range(limit))))
+
+
+@functools.cache
+def _unicode_class(name: str, limit: int) -> str:
+    """Class body of the code points below `limit` in general category `name` ("L", "Nd", ...),
+    or "space" (Oniguruma's \\s)."""
+    categories = _categories(limit)
+    if name == "space":
+        return _class_body(cp for cp, cat in enumerate(categories) if _is_space(cat, chr(cp)))
+    return _class_body(cp for cp, cat in enumerate(categories) if cat.startswith(name))
+
+
+@functools.cache
 def _gpt2_pattern(limit: int) -> re.Pattern:
     """GPT-2's pretokenizer for text of code points below `limit`.
 
     `re` tests classes of code points below U+10000 with a bitmap but scans the ranges above one
     by one, so text without such characters gets a pattern that leaves them out (4x faster).
     """
-    categories = list(map(unicodedata.category, map(chr, range(limit))))
-    letter = _class_body(cp for cp, cat in enumerate(categories) if cat[0] == "L")
-    number = _class_body(cp for cp, cat in enumerate(categories) if cat[0] == "N")
-    space = _class_body(cp for cp, cat in enumerate(categories) if _is_space(cat, chr(cp)))
+    letter, number, space = (_unicode_class(name, limit) for name in ("L", "N", "space"))
     return re.compile(
         rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{letter}]+| ?[{number}]+| ?[^{space}{letter}{number}]+"
         rf"|[{space}]+(?![^{space}])|[{space}]+"
@@ -93,9 +110,14 @@ def _gpt2_pattern(limit: int) -> re.Pattern:
 _ASTRAL = re.compile("[\U00010000-\U0010ffff]")
 
 
+def _limit(text: str) -> int:
+    """The code-point bound of the character classes `text` needs (see `_gpt2_pattern`)."""
+    return sys.maxunicode + 1 if _ASTRAL.search(text) else 0x10000
+
+
 def pretokenize(text: str) -> list[str]:
     """Split `text` into GPT-2 pretokens; merges never cross their borders."""
-    return _gpt2_pattern(sys.maxunicode + 1 if _ASTRAL.search(text) else 0x10000).findall(text)
+    return _gpt2_pattern(_limit(text)).findall(text)
 
 
 def _line_chunks(text: str, size: int) -> list[str]:
@@ -144,6 +166,7 @@ def _bytes_to_unicode() -> list[str]:
 
 
 BYTE_TO_CHAR = _bytes_to_unicode()
+CHAR_TO_BYTE = {char: b for b, char in enumerate(BYTE_TO_CHAR)}
 
 
 def _hf_spelling(token: bytes) -> str:
@@ -188,7 +211,16 @@ class Tokenizer:
                 )
             self._specials[special] = len(self._token_bytes)
             self._token_bytes.append(special.encode())
-        self._special_patterns: dict[frozenset[str], re.Pattern] = {}
+        self._init_added_tokens(self._specials, ordinary=(), normalized=())
+
+    def _init_added_tokens(self, ids: dict[str, int], ordinary: Iterable[str], normalized: Iterable[str]) -> None:
+        """Added tokens (`ids`: content -> id, the special ones and the `ordinary` ones, which are
+        always recognised); those in `normalized` are looked for after the others, as Hugging
+        Face does. Also starts the caches."""
+        self._added_ids = dict(ids)
+        self._ordinary_added = frozenset(ordinary)
+        self._normalized_added = frozenset(normalized)
+        self._added_patterns: dict[frozenset[str], list[re.Pattern]] = {}
         self._word_cache: dict[str, tuple[int, ...]] = {}
 
     def __reduce__(self):  # worker processes rebuild from merges + specials, without the cache
@@ -280,21 +312,32 @@ class Tokenizer:
     def encode(self, text: str, allowed_special: Iterable[str] | str = frozenset()) -> list[int]:
         """Token ids of `text`. Special tokens are recognised only where `allowed_special`
         ("all" or a set of them) allows; elsewhere their text is encoded like any other."""
-        allowed = self._allowed_specials(allowed_special)
+        allowed = self._allowed_specials(allowed_special) | self._ordinary_added
         if not allowed:
             return self._encode_ordinary(text)
-        pattern = self._special_patterns.get(allowed)
-        if pattern is None:
-            # Longest first, so a special token that extends another wins, as in Hugging Face.
-            alternatives = sorted(allowed, key=len, reverse=True)
-            pattern = self._special_patterns[allowed] = re.compile("|".join(map(re.escape, alternatives)))
-        ids, start = [], 0
-        for match in pattern.finditer(text):
-            ids += self._encode_ordinary(text[start : match.start()])
-            ids.append(self._specials[match.group()])
-            start = match.end()
-        ids += self._encode_ordinary(text[start:])
+        patterns = self._added_patterns.get(allowed)
+        if patterns is None:
+            # Tokens matched on the raw text first, then the "normalized" ones (Hugging Face's
+            # order); longest first, so a token that extends another wins, as in Hugging Face.
+            groups = (allowed - self._normalized_added, allowed & self._normalized_added)
+            patterns = self._added_patterns[allowed] = [
+                re.compile("|".join(map(re.escape, sorted(group, key=len, reverse=True)))) for group in groups if group
+            ]
+        ids: list[int] = []
+        self._encode_around(text, patterns, ids)
         return ids
+
+    def _encode_around(self, text: str, patterns: list[re.Pattern], ids: list[int]) -> None:
+        """Append the ids of `text` to `ids`: added tokens found by the first pattern, the rest between them."""
+        if not patterns:
+            ids += self._encode_ordinary(text)
+            return
+        start = 0
+        for match in patterns[0].finditer(text):
+            self._encode_around(text[start : match.start()], patterns[1:], ids)
+            ids.append(self._added_ids[match.group()])
+            start = match.end()
+        self._encode_around(text[start:], patterns[1:], ids)
 
     def encode_bytes(self, data: bytes) -> list[int]:
         """Token ids of arbitrary bytes (not necessarily UTF-8); `decode_bytes` gives them back."""
@@ -338,18 +381,23 @@ class Tokenizer:
         return allowed
 
     def _encode_ordinary(self, text: str) -> list[int]:
-        words = pretokenize(text)
+        words = self._pretokenize(text)
         cache = self._word_cache
         if len(cache) > _WORD_CACHE_LIMIT:
             cache.clear()
         missing = list(set(words).difference(cache))
         if missing:
-            symbols, offsets = _word_table([word.encode("utf-8", "surrogateescape") for word in missing])
-            lengths = bpe_kernels.apply_merges(symbols, offsets, self._pair_keys, self._pair_ranks)
-            ids = symbols.tolist()
-            starts = offsets.tolist()
-            cache.update(zip(missing, (tuple(ids[start : start + n]) for start, n in zip(starts, lengths.tolist()))))
+            cache.update(zip(missing, self._encode_words([word.encode("utf-8", "surrogateescape") for word in missing])))
         return list(itertools.chain.from_iterable(map(cache.__getitem__, words)))
+
+    def _pretokenize(self, text: str) -> list[str]:
+        return pretokenize(text)
+
+    def _encode_words(self, words: list[bytes]) -> list[tuple[int, ...]]:
+        """The token ids of each pretoken (given as bytes)."""
+        symbols, offsets = _word_table(words)
+        lengths = bpe_kernels.apply_merges(symbols, offsets, self._pair_keys, self._pair_ranks)
+        return _split_words(symbols, offsets, lengths)
 
     # --- decoding ------------------------------------------------------------------------------
 
@@ -410,65 +458,404 @@ class Tokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write `tokenizer.json` atomically (temporary file, fsync, rename)."""
-        path = Path(path)
-        temporary = path.with_name(f".{path.name}.tmp")
-        with open(temporary, "wb") as f:
-            f.write(orjson.dumps(self.to_hf_json(), option=orjson.OPT_INDENT_2))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
+        _write_atomically(Path(path), orjson.dumps(self.to_hf_json(), option=orjson.OPT_INDENT_2))
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Tokenizer:
-        """Read a `tokenizer.json` written by `save`. Raises TokenizerError for anything else."""
+    def load(cls, path: str | os.PathLike, eos: str | None = None) -> Tokenizer:
+        """Read a `tokenizer.json`: one written by `save`, or a byte-level BPE one made elsewhere
+        (an `HFTokenizer`), whose end-of-text token is `eos`, else the `eos_token` of a
+        tokenizer_config.json beside it. Raises TokenizerError for anything else."""
+        path = Path(path)
         try:
-            document = orjson.loads(Path(path).read_bytes())
+            document = orjson.loads(path.read_bytes())
         except OSError as e:
             raise TokenizerError(f"cannot read tokenizer file {path}: {e.strerror or e}") from None
         except orjson.JSONDecodeError as e:
             raise TokenizerError(
                 f"{path} is not valid JSON ({e}): pass a tokenizer.json written by nanoeuler"
             ) from None
-        return cls.from_hf_json(document, source=str(path))
+        return cls.from_hf_json(document, source=str(path), eos=eos or configured_eos(path.parent))
 
     @classmethod
-    def from_hf_json(cls, document: dict, source: str = "tokenizer.json") -> Tokenizer:
-        """Rebuild from a Hugging Face document; it must be nanoeuler's layout of byte-level BPE."""
+    def from_hf_json(cls, document: dict, source: str = "tokenizer.json", eos: str | None = None) -> Tokenizer:
+        """Rebuild from a Hugging Face document: nanoeuler's own layout (ids 0-255 the bytes, merge r
+        making id 256 + r, `</s>` among the special tokens at the end) gives a `Tokenizer`, any other
+        byte-level BPE an `HFTokenizer` with end-of-text token `eos`."""
+        own = _own_layout(document)
+        return own if own is not None else HFTokenizer(document, eos, source)
 
-        def require(condition, problem: str) -> None:
-            if not condition:
-                raise TokenizerError(
-                    f"{source} {problem}: nanoeuler reads only the byte-level BPE tokenizer.json it writes "
-                    "(train one with `nanoeuler-run tokenizer train`)"
-                ) from None
 
-        require(isinstance(document, dict) and isinstance(document.get("model"), dict), "has no tokenizer model")
+class HFTokenizer(Tokenizer):
+    """A byte-level BPE tokenizer.json made elsewhere (the GPT-2, Llama 3 and SmolLM2 families):
+    its own vocabulary, merges, added tokens and pre-tokenizer, encoding exactly as Hugging Face
+    `tokenizers` does with `encode(text, add_special_tokens=False)` (a post-processor's template,
+    such as a beginning-of-text token, is not added). Its end-of-text token is `eos` (default: a
+    usual name such as `</s>` or `<|endoftext|>` that it has)."""
+
+    def __init__(self, document: dict, eos: str | None = None, source: str = "tokenizer.json"):
+        def refuse(problem: str):
+            raise TokenizerError(
+                f"{source} {problem}: nanoeuler reads only byte-level BPE tokenizer.json files "
+                "(its own, and those of the GPT-2, Llama 3 and SmolLM2 families)"
+            )
+
+        if not isinstance(document, dict) or not isinstance(document.get("model"), dict):
+            refuse("has no tokenizer model")
+        self._document = document
+        self._source = source
+        model = document["model"]
+        if model.get("type") != "BPE":
+            refuse(f"holds a {model.get('type')!r} model, not BPE")
+        for option in ("continuing_subword_prefix", "end_of_word_suffix", "byte_fallback", "dropout"):
+            if model.get(option):
+                refuse(f"sets model.{option} = {model[option]!r}")
+        if document.get("normalizer") is not None:
+            refuse(f"has a normalizer ({document['normalizer'].get('type')!r})")
+        self._steps = _pre_tokenizer_steps(document.get("pre_tokenizer"), refuse)
+
+        vocab, merges, added = model.get("vocab"), model.get("merges"), document.get("added_tokens") or []
+        if not isinstance(vocab, dict) or not isinstance(merges, list) or not isinstance(added, list):
+            refuse("lacks a vocab or merges list")
+        if not all(isinstance(i, int) and i >= 0 for i in vocab.values()):
+            refuse("has vocabulary ids that are not non-negative integers")
+        token_bytes: dict[int, bytes] = {}
+        for spelling, i in vocab.items():
+            if i in token_bytes:
+                refuse(f"gives id {i} to two vocabulary entries")
+            token_bytes[i] = _spelled_bytes(spelling)
+        added_ids, ordinary, normalized, specials = {}, [], [], {}
+        for token in added:
+            content, i = token.get("content"), token.get("id")
+            if not isinstance(content, str) or not content or not isinstance(i, int) or i < 0:
+                refuse(f"has an added token without content or id: {token!r}")
+            for option in ("single_word", "lstrip", "rstrip"):
+                if token.get(option):
+                    refuse(f"sets {option} on added token {content!r}")
+            if i in token_bytes and vocab.get(content) != i:
+                refuse(f"gives id {i} to added token {content!r} and to another token")
+            token_bytes[i] = content.encode()
+            added_ids[content] = i
+            (specials.__setitem__(content, i) if token.get("special") else ordinary.append(content))
+            if token.get("normalized", not token.get("special")):
+                normalized.append(content)
+        missing = next((i for i in range(len(token_bytes)) if i not in token_bytes), None)
+        if missing is not None:
+            refuse(f"has no token with id {missing} (ids must run from 0 without gaps)")
+        self._token_bytes = [token_bytes[i] for i in range(len(token_bytes))]
+
+        byte_ids = [vocab.get(char) for char in BYTE_TO_CHAR]
+        if None in byte_ids:
+            refuse(f"has no vocabulary entry for byte 0x{byte_ids.index(None):02x} (not a byte-level vocabulary)")
+        self._byte_ids = np.array(byte_ids, dtype=np.int32)
+
+        # Merge (left, right) -> (rank, id made); a pair listed twice keeps its last rank, as in Hugging Face.
+        table: dict[tuple[int, int], tuple[int, int]] = {}
+        self._merges = []
+        for rank, merge in enumerate(merges):
+            parts = merge.split(" ") if isinstance(merge, str) else merge
+            if not isinstance(parts, list) or len(parts) != 2 or not all(p in vocab for p in parts):
+                refuse(f"has merge {rank} ({merge!r}) that does not name two vocabulary entries")
+            made = vocab.get(parts[0] + parts[1])
+            if made is None:
+                refuse(f"has merge {rank} ({merge!r}) whose result is not in the vocabulary")
+            pair = (vocab[parts[0]], vocab[parts[1]])
+            table[pair] = (rank, made)
+            self._merges.append(pair)
+        keys = np.array([(left << 32) | right for left, right in table], dtype=np.int64)
+        order = np.argsort(keys, kind="stable")
+        self._pair_keys = keys[order]
+        self._pair_ranks = np.array([rank for rank, _ in table.values()], dtype=np.int64)[order]
+        self._merged_ids = np.array([made for _, made in table.values()], dtype=np.int64)[order]
+        # ignore_merges: a pretoken that is a vocabulary entry becomes that token directly.
+        self._whole_words = (
+            {_spelled_bytes(s): i for s, i in vocab.items() if all(c in CHAR_TO_BYTE for c in s)}
+            if model.get("ignore_merges") else {}
+        )
+        self._specials = specials
+        self._eos = eos
+        self._init_added_tokens(added_ids, ordinary, normalized)
+
+    def __reduce__(self):
+        return HFTokenizer, (self._document, self._eos, self._source)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, eos={self._eos_token()!r}, source={self._source!r})"
+
+    def _eos_token(self) -> str | None:
+        if self._eos is not None:
+            return self._eos
+        return next((name for name in EOS_NAMES if name in self._added_ids), None)
+
+    @property
+    def eos_id(self) -> int:
+        """Id of the end-of-text token (`eos` given at loading, or a usual name the tokenizer has)."""
+        eos = self._eos_token()
+        if eos in self._added_ids:
+            return self._added_ids[eos]
+        if eos in self._document["model"]["vocab"]:
+            return self._document["model"]["vocab"][eos]
+        raise TokenizerError(
+            f"{self._source} has no end-of-text token{f' {eos!r}' if eos else ''}: name one of its tokens as "
+            f"eos_token in a tokenizer_config.json beside it"
+        )
+
+    @functools.cached_property
+    def hash(self) -> str:
+        """Hex digest of the document and the end-of-text token: equal digests mean identical encodings."""
+        digest = hashlib.sha256(orjson.dumps(self._document, option=orjson.OPT_SORT_KEYS))
+        digest.update(orjson.dumps(self._eos_token()))
+        return digest.hexdigest()
+
+    def to_hf_json(self) -> dict:
+        """The document this tokenizer was read from (what `save` writes)."""
+        return orjson.loads(orjson.dumps(self._document))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write `tokenizer.json` atomically, and the end-of-text token as `eos_token` of a
+        tokenizer_config.json beside it (Hugging Face's place for it, where `load` looks)."""
+        super().save(path)
+        eos = self._eos_token()
+        if eos is not None:
+            config_path = Path(path).with_name("tokenizer_config.json")
+            try:
+                config = orjson.loads(config_path.read_bytes())
+            except (OSError, orjson.JSONDecodeError):
+                config = {}
+            config = {**(config if isinstance(config, dict) else {}), "eos_token": eos}
+            _write_atomically(config_path, orjson.dumps(config, option=orjson.OPT_INDENT_2))
+
+    def _pretokenize(self, text: str) -> list[str]:
+        pieces = [text] if text else []
+        for step in self._steps:
+            pieces = [piece for part in pieces for piece in step(part)]
+        return pieces
+
+    def _encode_words(self, words: list[bytes]) -> list[tuple[int, ...]]:
+        merged = [i for i, word in enumerate(words) if word not in self._whole_words]
+        symbols, offsets = _word_table([words[i] for i in merged])
+        symbols = self._byte_ids[symbols]
+        lengths = bpe_kernels.apply_merges_queued(symbols, offsets, self._pair_keys, self._pair_ranks, self._merged_ids)
+        encoded = [(self._whole_words.get(word, -1),) for word in words]
+        for i, ids in zip(merged, _split_words(symbols, offsets, lengths)):
+            encoded[i] = ids
+        return encoded
+
+
+# End-of-text tokens by their usual names, for a tokenizer.json loaded without an `eos`.
+EOS_NAMES = (EOS, "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<eos>", "<|eot_id|>")
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`: temporary file, fsync, rename."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def configured_eos(folder: Path) -> str | None:
+    """The `eos_token` of `folder/tokenizer_config.json` (Hugging Face's layout), if there is one."""
+    try:
+        eos = orjson.loads((Path(folder) / "tokenizer_config.json").read_bytes()).get("eos_token")
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        return None
+    if isinstance(eos, dict):  # {"content": "</s>", ...} in older files
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
+
+
+def _own_layout(document) -> Tokenizer | None:
+    """The `Tokenizer` a document describes if it is exactly nanoeuler's layout, else None."""
+    try:
         model, pre_tokenizer = document["model"], document.get("pre_tokenizer") or {}
-        require(model.get("type") == "BPE", f"holds a {model.get('type')!r} model, not BPE")
-        require(
-            pre_tokenizer.get("type") == "ByteLevel"
-            and pre_tokenizer.get("use_regex", True)
-            and not pre_tokenizer.get("add_prefix_space"),
-            "does not split text with the byte-level GPT-2 pre-tokenizer",
-        )
-        require(document.get("normalizer") is None, "normalizes text before splitting it")
-        require(not model.get("ignore_merges") and not model.get("dropout"), "uses BPE options nanoeuler lacks")
-        vocab, merges = model.get("vocab"), model.get("merges")
-        require(isinstance(vocab, dict) and isinstance(merges, list), "lacks a vocab or merges list")
-        require(all(vocab.get(BYTE_TO_CHAR[b]) == b for b in range(N_BYTES)), "does not give ids 0-255 to the bytes")
-        try:
-            pairs = [merge.split(" ") if isinstance(merge, str) else merge for merge in merges]
-            merge_ids = [(vocab[left], vocab[right]) for left, right in pairs]
-            specials = {t["content"]: t["id"] for t in document.get("added_tokens", []) if t.get("special")}
-        except (ValueError, KeyError, TypeError, AttributeError):
-            merge_ids = specials = None
-        require(merge_ids is not None, "has merges or added tokens that do not name vocabulary entries")
-        tokenizer = cls(merge_ids, sorted(specials, key=specials.get))
-        require(
-            tokenizer.to_hf_json()["model"]["vocab"] == vocab and tokenizer.special_tokens == specials,
-            "has token ids that do not follow from its merges",
-        )
-        return tokenizer
+        vocab, merges = model["vocab"], model["merges"]
+        if (model.get("type") != "BPE" or document.get("normalizer") is not None
+                or pre_tokenizer.get("type") != "ByteLevel" or not pre_tokenizer.get("use_regex", True)
+                or pre_tokenizer.get("add_prefix_space") or model.get("ignore_merges") or model.get("dropout")
+                or any(model.get(o) for o in ("continuing_subword_prefix", "end_of_word_suffix", "byte_fallback"))
+                or not all(vocab.get(BYTE_TO_CHAR[b]) == b for b in range(N_BYTES))):
+            return None
+        added = document.get("added_tokens") or []
+        if any(not t["special"] or t.get("single_word") or t.get("lstrip") or t.get("rstrip") for t in added):
+            return None
+        pairs = [merge.split(" ") if isinstance(merge, str) else merge for merge in merges]
+        specials = {t["content"]: t["id"] for t in added}
+        tokenizer = Tokenizer([(vocab[left], vocab[right]) for left, right in pairs], sorted(specials, key=specials.get))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    own = tokenizer.to_hf_json()
+    if own["model"]["vocab"] != vocab or tokenizer.special_tokens != specials:
+        return None
+    return tokenizer
+
+
+def _spelled_bytes(spelling: str) -> bytes:
+    """The bytes a vocabulary entry stands for: its byte-level spelling decoded, else its UTF-8
+    (an entry outside the byte alphabet, such as a special token's text)."""
+    try:
+        return bytes(map(CHAR_TO_BYTE.__getitem__, spelling))
+    except KeyError:
+        return spelling.encode()
+
+
+def _split_words(symbols: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> list[tuple[int, ...]]:
+    """Per word, its first lengths[w] symbols from offsets[w] (what the merge kernels leave)."""
+    ids = symbols.tolist()
+    return [tuple(ids[start : start + n]) for start, n in zip(offsets.tolist(), lengths.tolist())]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-tokenizers of Hugging Face tokenizer.json files: each step maps a piece of text to pieces.
+
+
+def _pre_tokenizer_steps(spec, refuse) -> list[Callable[[str], list[str]]]:
+    """The steps of a tokenizer.json's pre_tokenizer; it must end with ByteLevel (no prefix space)."""
+    specs = _flatten_sequence(spec)
+    steps = []
+    for i, step in enumerate(specs):
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            if i != len(specs) - 1:
+                refuse("uses ByteLevel before another pre-tokenizer")
+            if step.get("add_prefix_space"):
+                refuse("sets add_prefix_space on its ByteLevel pre-tokenizer")
+            if step.get("use_regex", True):
+                steps.append(pretokenize)
+        elif kind == "Split":
+            pattern, behavior = step.get("pattern") or {}, step.get("behavior")
+            if behavior != "Isolated":
+                refuse(f"splits with behavior {behavior!r} (only 'Isolated' is supported)")
+            if "String" in pattern:
+                steps.append(functools.partial(_split_isolated, functools.partial(_literal_regex, pattern["String"])))
+            elif "Regex" in pattern:
+                try:
+                    _translated_regex(pattern["Regex"], 0x10000)
+                except (ValueError, re.error) as e:
+                    refuse(f"has a Split regex nanoeuler cannot run ({e})")
+                steps.append(functools.partial(_split_isolated, functools.partial(_translated_regex, pattern["Regex"])))
+            else:
+                refuse(f"has a Split pre-tokenizer without a pattern: {step!r}")
+        elif kind == "Digits":
+            runs = not step.get("individual_digits")
+            steps.append(functools.partial(_split_isolated, functools.partial(_numeric_regex, runs)))
+        else:
+            refuse(f"uses the {kind!r} pre-tokenizer (supported: ByteLevel, Split, Digits, Sequence)")
+    if not specs or specs[-1].get("type") != "ByteLevel":
+        refuse("does not end its pre-tokenizer with ByteLevel (not a byte-level tokenizer)")
+    return steps
+
+
+def _flatten_sequence(spec) -> list[dict]:
+    if not isinstance(spec, dict):
+        return []
+    if spec.get("type") == "Sequence":
+        return [step for inner in spec.get("pretokenizers") or [] for step in _flatten_sequence(inner)]
+    return [spec]
+
+
+def _split_isolated(make_regex: Callable[[int], re.Pattern], text: str) -> list[str]:
+    """`text` cut around every match of the regex, matches and the text between them as pieces
+    (Hugging Face's Split with behavior Isolated); `make_regex(limit)` builds it for the code points of `text`."""
+    pieces, start = [], 0
+    for match in make_regex(_limit(text)).finditer(text):
+        if match.start() > start:
+            pieces.append(text[start : match.start()])
+        if match.end() > match.start():
+            pieces.append(match.group())
+        start = match.end()
+    if start < len(text):
+        pieces.append(text[start:])
+    return pieces
+
+
+@functools.cache
+def _numeric_regex(runs: bool, limit: int) -> re.Pattern:
+    """Rust's char::is_numeric (categories Nd, Nl, No): one such character, or runs of them (Digits)."""
+    return re.compile(f"[{_unicode_class('N', limit)}]" + ("+" if runs else ""))
+
+
+@functools.cache
+def _literal_regex(text: str, limit: int) -> re.Pattern:
+    return re.compile(re.escape(text))
+
+
+# Oniguruma escapes `re` lacks or reads differently; \p{..} and \s, \S, \d, \D are translated.
+_UNSUPPORTED_ESCAPES = set("wWbBhHRXKGzZAyYQEgk")
+_CATEGORIES = {
+    "L", "M", "N", "P", "S", "Z", "C", "Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Me", "Nd", "Nl", "No",
+    "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po",
+    "Sm", "Sc", "Sk", "So", "Zs", "Zl", "Zp", "Cc", "Cf", "Co", "Cs", "Cn"}
+
+
+@functools.cache
+def _translated_regex(pattern: str, limit: int) -> re.Pattern:
+    """An Oniguruma regex (Hugging Face's Split) as a `re` pattern over code points below `limit`.
+
+    Unicode classes are spelled out from `unicodedata`, as for `_gpt2_pattern`: \\p{L}, \\P{N},
+    \\p{Lu}, ... and \\s (Oniguruma's white space), \\d (Nd), inside and outside brackets. Raises
+    ValueError for what it cannot translate faithfully (\\w, \\b, nested classes, ...).
+    """
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\" and i + 1 < len(pattern):
+            escape = pattern[i + 1]
+            i += 2
+            if escape in "pP":
+                if pattern.startswith("{", i):
+                    end = pattern.find("}", i)
+                    if end == -1:
+                        raise ValueError(f"unclosed \\{escape}{{ in {pattern!r}")
+                    name, i = pattern[i + 1 : end], end + 1
+                else:
+                    name, i = pattern[i : i + 1], i + 1
+                negated = (escape == "P") != name.startswith("^")
+                name = name.lstrip("^")
+                if name not in _CATEGORIES:
+                    raise ValueError(f"unsupported Unicode property \\{escape}{{{name}}}")
+                out.append(_class_piece(_unicode_class(name, limit), negated, in_class))
+            elif escape in "sSdD":
+                body = _unicode_class("space" if escape in "sS" else "Nd", limit)
+                out.append(_class_piece(body, escape.isupper(), in_class))
+            elif escape in _UNSUPPORTED_ESCAPES:
+                raise ValueError(f"unsupported escape \\{escape}")
+            elif escape == "x" and pattern.startswith("{", i):
+                end = pattern.index("}", i)
+                out.append(re.escape(chr(int(pattern[i + 1 : end], 16))))
+                i = end + 1
+            else:
+                out.append("\\" + escape)
+            continue
+        if char == "[":
+            if in_class:
+                raise ValueError("nested character classes are not supported")
+            in_class = True
+            out.append(char)
+            if pattern.startswith("^", i + 1):
+                out.append("^")
+                i += 1
+            if pattern.startswith("]", i + 1):  # a leading ] is literal in both engines
+                out.append("\\]")
+                i += 1
+        elif char == "]" and in_class:
+            in_class = False
+            out.append(char)
+        elif in_class and char in "&-~|" and pattern.startswith(char * 2, i):
+            raise ValueError(f"set operation {char * 2} inside a class is not supported")
+        else:
+            out.append(char)
+        i += 1
+    return re.compile("".join(out))
+
+
+def _class_piece(body: str, negated: bool, in_class: bool) -> str:
+    if not in_class:
+        return f"[{'^' if negated else ''}{body}]"
+    if negated:
+        raise ValueError("a negated property inside a character class is not supported")
+    return body
 
 
 def _check_special_tokens(special_tokens: Sequence[str]) -> dict[str, int]:

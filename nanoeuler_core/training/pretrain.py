@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import orjson
@@ -63,6 +63,9 @@ class TrainConfig:
     eager: bool = False                 # launch every kernel from Python instead of replaying a captured step
     grad_accum: int = 1                 # micro-batches of batch_size rows per optimizer step (on each rank)
     zero: int = 0                       # 1: AdamW moments sharded over the data-parallel ranks (ZeRO-1)
+    eval_hellaswag_every: int = 0       # HellaSwag acc/acc_norm every N steps into metrics.jsonl (0: never)
+    hellaswag_file: str | None = None   # default: corpora/hellaswag/hellaswag_val.jsonl (`data hellaswag`)
+    hellaswag_limit: int | None = None  # score only the first N items (default: all)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -82,6 +85,8 @@ class TrainConfig:
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if self.seed < 0:
             raise ValueError(f"--seed must be non-negative, got {self.seed}")
+        if self.eval_hellaswag_every < 0:
+            raise ValueError(f"--eval-hellaswag-every must be non-negative, got {self.eval_hellaswag_every}")
 
     def resolve_precision(self) -> None:
         """Fix `precision` to what the backend runs (its default if unset); ValueError if it cannot."""
@@ -357,9 +362,11 @@ class Bookkeeping:
         self.watchdog.beat()
 
 
-def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
+def train(run: Run, log: Callable[[str], None] = print,
+          extra_evals: Sequence[tuple[int, Callable[[Model], dict]]] = ()) -> tuple[dict, bool]:
     """Train from the run's current step to `config.steps`; returns the last metrics row and
-    whether Ctrl-C stopped it.
+    whether Ctrl-C stopped it. Each (every, metrics) of `extra_evals` adds metrics(model) to the
+    row every `every` steps and at the last (HellaSwag, from the eval room, is one).
 
     Ctrl-C lets the current step finish, saves a checkpoint and returns; a second Ctrl-C stops at
     once. Under mpiexec every rank stops after the same step (mpiexec passes Ctrl-C to each).
@@ -387,9 +394,12 @@ def train(run: Run, log: Callable[[str], None] = print) -> tuple[dict, bool]:
             if step % tc.eval_every == 0 or step == tc.steps:
                 val_loss, val_next = evaluate(run)
                 row["val_loss"], row["val_next_token_loss"] = round(val_loss, 5), round(val_next, 5)
+            for every, extra_metrics in extra_evals:
+                if step % every == 0 or step == tc.steps:
+                    row |= extra_metrics(model)
             rate = (time.perf_counter() - start) / (step - first_step)
-            book.end_step(step, row, f"step {step}/{tc.steps} | loss {loss:.3f} | val {val_loss:.3f} "
-                                     f"(next token {val_next:.3f}) | "
+            val = f" | val {val_loss:.3f} (next token {val_next:.3f})" if math.isfinite(val_loss) else ""
+            book.end_step(step, row, f"step {step}/{tc.steps} | loss {loss:.3f}{val} | "
                                      f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(rate * (tc.steps - step))} left")
     if book.interrupted:
         log(f"interrupted: checkpoint at step {opt.step_count} saved in {run.dir}; continue with --resume {run.dir}")
