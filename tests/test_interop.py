@@ -16,7 +16,6 @@ from nanoeuler_core.cli import main
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.model import Model
 from nanoeuler_core.inference.chat import render
-from nanoeuler_core.inference.generate import new_kv_cache, next_logits
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.interop import hf
 from nanoeuler_core.interop.hf import read_safetensors
@@ -119,17 +118,18 @@ def test_exported_logits_equal_ours(exported):
 
 
 def our_greedy_tokens(model, ids: list[int], n: int, eos: int) -> tuple[list[int], float]:
-    """Greedy continuation through our KV-cache path, and the smallest top-2 logit gap met on the way."""
-    kv, tokens, gap = new_kv_cache(model), [], np.inf
-    logits, position = next_logits(model, ids, kv, 0), len(ids)
+    """Greedy continuation by our forward pass over the growing sequence, and the smallest top-2
+    logit gap met on the way."""
+    sequence, tokens, gap = list(ids), [], np.inf
     for _ in range(n):
+        logits = model.forward(np.array([sequence[-model.cfg.ctx_len:]]))[0, -1]
         top2 = np.sort(logits)[-2:]
         gap = min(gap, top2[1] - top2[0])
         token = int(np.argmax(logits))
         tokens.append(token)
         if token == eos:
             break
-        logits, position = next_logits(model, [token], kv, position), position + 1
+        sequence.append(token)
     return tokens, gap
 
 
@@ -277,7 +277,9 @@ def test_sft_and_continued_pretraining_run_on_an_imported_model(imported, tmp_pa
     row, _ = pretrain.train(fine, lambda msg: None)
     assert row["step"] == 3 and np.isfinite(row["loss"]) and np.isfinite(row["val_loss"])
     model, tok = load_model(tmp_path / "sft")
-    model.chat(tok, [{"role": "user", "content": "Add 1 and 2."}], max_new_tokens=5, temperature=0.0)
+    model.generate(tok, "Add 1 and 2.", max_new_tokens=5, temperature=0.0)
+    with pytest.raises(ValueError, match="longer than the model's context of 64 tokens"):   # the template alone is longer
+        model.chat(tok, [{"role": "user", "content": "Add 1 and 2."}], max_new_tokens=5, temperature=0.0)
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(CORPUS[:30_000])

@@ -27,6 +27,20 @@ MAX_PARTIALS = 256         # blocks of the backward: enough to fill the GPU, few
 # Rows are passed flat, (N * C,), and indexed with unsigned integers: no negative-index
 # wraparound per element. u64(n) * C + c is element c of row n.
 
+@cuda.jit(device=True, inline=True)
+def _normalize_row(x, w, eps, ss, n, N, lane, y, rstd):
+    # row n of y = x * rstd * w, rstd = 1 / sqrt(ss / C + eps), ss the row's sum of squares; one warp
+    C = w.shape[0]
+    if n < N:
+        row = uint64(n) * uint64(C)
+        r = float32(1.0) / math.sqrt(ss / float32(C) + eps)
+        if lane == 0:
+            rstd[n] = r
+        for c in range(lane, C, WARP):
+            i = row + uint64(c)
+            y[i] = stored(y, to_f32(x[i]) * r * to_f32(w[uint64(c)]))
+
+
 @cuda.jit(cache=True)
 def _forward(x, w, eps, N, y, rstd):
     # x (N * C,), w (C,) -> y (N * C,), rstd (N,); one warp per row
@@ -39,14 +53,7 @@ def _forward(x, w, eps, N, y, rstd):
         for c in range(lane, C, WARP):
             xv = to_f32(x[row + uint64(c)])
             ss += xv * xv
-    ss = warp_sum(ss)
-    if n < N:
-        r = float32(1.0) / math.sqrt(ss / float32(C) + eps)
-        if lane == 0:
-            rstd[n] = r
-        for c in range(lane, C, WARP):
-            i = row + uint64(c)
-            y[i] = stored(y, to_f32(x[i]) * r * to_f32(w[uint64(c)]))
+    _normalize_row(x, w, eps, warp_sum(ss), n, N, lane, y, rstd)
 
 
 @cuda.jit(cache=True)
@@ -64,14 +71,7 @@ def _add_forward(x, branch, w, eps, N, s, y, rstd):
             s[i] = stored_sum
             sv = to_f32(stored_sum)
             ss += sv * sv
-    ss = warp_sum(ss)
-    if n < N:
-        r = float32(1.0) / math.sqrt(ss / float32(C) + eps)
-        if lane == 0:
-            rstd[n] = r
-        for c in range(lane, C, WARP):
-            i = row + uint64(c)
-            y[i] = stored(y, to_f32(s[i]) * r * to_f32(w[uint64(c)]))
+    _normalize_row(s, w, eps, warp_sum(ss), n, N, lane, y, rstd)
 
 
 @cuda.jit(cache=True)
