@@ -131,16 +131,26 @@ class Model:
             views[name] = flat[offset:offset + int(np.prod(shape))].reshape(shape)
         return views
 
+    def stacked(self, flat, names: list[str]):
+        """The named matrices stacked by rows, (sum of their rows, C), as a view of `flat` (the
+        parameter, compute-copy or gradient buffer); None unless they lie next to each other there
+        (the layout keeps wq, wk, wv, then w_gate, w_up, and the heads adjacent)."""
+        first, (_, cols) = self.layout[names[0]]
+        end = first
+        for name in names:
+            offset, shape = self.layout[name]
+            if offset != end:
+                return None
+            end += int(np.prod(shape))
+        return flat[first:end].reshape(-1, cols)
+
     def _layer(self, flat, tensors: dict, i: int) -> SimpleNamespace:
         """Block i's tensors (views of `flat`) by short name, and its stacked matrices (STACKED)."""
         prefix = f"layers.{i}."
         layer = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
         for stack, names in STACKED.items():
-            first, (_, cols) = self.layout[prefix + names[0]]
-            rows = sum(self.layout[prefix + n][1][0] for n in names)
-            assert all(self.layout[prefix + b][0] == self.layout[prefix + a][0] + layer[a].size
-                       for a, b in zip(names, names[1:])), f"{names} are not adjacent in the parameter buffer"
-            layer[stack] = flat[first:first + rows * cols].reshape(rows, cols)
+            layer[stack] = self.stacked(flat, [prefix + n for n in names])
+            assert layer[stack] is not None, f"{names} are not adjacent in the parameter buffer"
         return SimpleNamespace(**layer)
 
     @property

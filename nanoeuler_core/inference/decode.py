@@ -126,20 +126,6 @@ class DecodeStats:
         return (self.row_steps + self.accepted) / self.row_steps if self.row_steps else 0.0
 
 
-def adjacent_rows(model, names: list[str]):
-    """The named matrices stacked by rows, (sum of their rows, C), as a view of the parameter
-    buffer; None unless they lie next to each other there (the model's layout keeps wq, wk, wv,
-    then w_gate, w_up, and the heads, adjacent)."""
-    first, shape = model.layout[names[0]]
-    end = first
-    for name in names:
-        offset, shape_i = model.layout[name]
-        if offset != end:
-            return None
-        end += int(np.prod(shape_i))
-    return model.flat[first:end].reshape(-1, shape[1])
-
-
 class Decoder:
     """Batched decoding of `batch_size` rows of one model, plain or speculative, on its backend."""
 
@@ -195,7 +181,7 @@ class Decoder:
         self._copies = []
 
         def stacked(names):
-            view = adjacent_rows(m, names)
+            view = m.stacked(m.flat, names)
             if view is not None:
                 return view
             copy = self.be.zeros((sum(m.layout[n][1][0] for n in names), cfg.dim))
