@@ -42,7 +42,7 @@ generation)
         -W ignore::numba.core.errors.NumbaPerformanceWarning 2>&1 | tail -n 8 | tee "$log_dir/generate_tests.log"
     ;;
 dist)
-    mpiexec=$(command -v mpiexec || echo /tmp/site/bin/mpiexec)
+    source "$(dirname "$0")/mpi_env.sh"
     timeout 120 "$mpiexec" -n 1 python3 bench/nccl_selfcheck.py 2>&1 | quiet | tee "$log_dir/nccl_selfcheck.log"
     for variant in plain allreduce zero plain allreduce zero; do
         timeout 90 "$mpiexec" -n 1 python3 bench/bench_dist.py --variant "$variant" --batch-size 32 --steps 20 --warmup 3

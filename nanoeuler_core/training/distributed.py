@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -48,12 +49,17 @@ def launched_by_mpiexec() -> bool:
     return any(name in os.environ for name in LAUNCHER_SIZE_ENV)
 
 
-def _launcher_rank() -> int:
-    """This process's rank as the launcher's environment gives it (0 without a launcher)."""
-    for name in LAUNCHER_RANK_ENV:
+def _launcher_value(names: tuple[str, ...], default: int) -> int:
+    """This process's rank or job size as the launcher's environment gives it."""
+    for name in names:
         if name in os.environ:
             return int(os.environ[name])
-    return 0
+    return default
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the launcher's environment gives it (0 without a launcher)."""
+    return _launcher_value(LAUNCHER_RANK_ENV, 0)
 
 
 @dataclass
@@ -121,10 +127,19 @@ def world() -> World:
 
 def _init_world() -> World:
     try:
-        from mpi4py import MPI
+        with warnings.catch_warnings():  # mpi4py's warning of a foreign launcher: the check below says more
+            warnings.simplefilter("ignore", RuntimeWarning)
+            from mpi4py import MPI
     except ImportError:
         raise ValueError(f"started by mpiexec, but mpi4py is not installed: {INSTALL_HINT}") from None
     comm = MPI.COMM_WORLD
+    launched = _launcher_value(LAUNCHER_SIZE_ENV, 1)
+    if comm.Get_size() != launched:
+        # Each process would train alone as rank 0, all writing the same run directory.
+        library = " ".join(MPI.Get_library_version().split("\n")[0].split())
+        raise ValueError(f"mpiexec started {launched} processes but MPI sees a job of {comm.Get_size()}: mpi4py "
+                         f"loaded another MPI library ({library}) than the launcher's; run the mpiexec of that "
+                         "library, or set MPI4PY_LIBMPI to the launcher's libmpi")
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     return World(rank=comm.Get_rank(), size=comm.Get_size(), local_rank=local.Get_rank(),
                  local_size=local.Get_size(), mpi=comm)
