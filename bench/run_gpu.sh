@@ -34,10 +34,10 @@ generation)
     rm -rf /tmp/nanoeuler-gen
     timeout 150 $NE pretrain --preset gpu --backend cuda --steps 300 --batch-size 16 --eval-every 100 --ckpt-every 300 \
         --sample-prompt "ROMEO:" --out "$run_dir" 2>&1 | tail -n 8 | tee "$log_dir/pretrain_gpu.log"
-    timeout 200 python3 bench/bench_generate.py --preset gpu --backend cuda --run "$run_dir" --batch-size 1 --prompt 16 \
-        --tokens 256 2>&1 | quiet | tee "$log_dir/generate_b1.log"
-    timeout 120 python3 bench/bench_generate.py --preset gpu --backend cuda --run "$run_dir" --batch-size 8 --prompt 16 \
-        --tokens 256 --no-peers 2>&1 | quiet | tee "$log_dir/generate_b8.log"
+    timeout 200 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 1 --prompt-tokens 16 \
+        --new-tokens 256 2>&1 | quiet | tee "$log_dir/generate_b1.log"
+    timeout 120 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 8 --prompt-tokens 16 \
+        --new-tokens 256 --no-peers 2>&1 | quiet | tee "$log_dir/generate_b8.log"
     timeout 200 python3 -m pytest -q -m gpu tests/test_generate_gpu.py -p no:cacheprovider \
         -W ignore::numba.core.errors.NumbaPerformanceWarning 2>&1 | tail -n 8 | tee "$log_dir/generate_tests.log"
     ;;

@@ -20,7 +20,7 @@ print('mpi4py', mpi4py.__version__, MPI.Get_library_version().splitlines()[0]); 
 # 1. the communicator on known arrays, eager and inside a captured graph: expect "nccl self-check passed"
 run "$mpiexec" -n 1 python3 bench/nccl_selfcheck.py 2>&1 | tee "$log_dir/selfcheck.log"
 
-# 2. the captured step (gpu preset, batch 32 x 512, TF32): plain vs NCCL all-reduce (1 rank) vs ZeRO-1 (1 rank),
+# 2. the captured step (gpu preset, batch 32 x 512, bf16): plain vs NCCL all-reduce (1 rank) vs ZeRO-1 (1 rank),
 #    3 interleaved rounds; expect the same ms/step within noise, and the same losses ("losses = plain's": True)
 for round in 1 2 3; do
   for variant in plain allreduce zero; do

@@ -19,10 +19,10 @@ if [ -z "$run_dir" ]; then
     python3 -m nanoeuler_core.cli pretrain --preset gpu --backend cuda --steps 300 --batch-size 16 --eval-every 100 \
         --ckpt-every 300 --out "$run_dir" 2>&1 | tail -n 6 | tee "$log_dir/pretrain.log"
 fi
-bench() { python3 bench/bench_generate.py --preset gpu --backend cuda --run "$run_dir" "$@"; }
-bench --batch-size 1 --prompt 16 --tokens 256 2>&1 | tee "$log_dir/bench_b1.log"
-bench --batch-size 8 --prompt 16 --tokens 256 2>&1 | tee "$log_dir/bench_b8.log"
-bench --batch-size 1 --prompt 16 --tokens 256 --temperature 0.8 --no-peers 2>&1 | tee "$log_dir/bench_b1_sampling.log"
+bench() { python3 -m nanoeuler_core.cli bench --generate --preset gpu --backend cuda --run "$run_dir" "$@"; }
+bench --batch-size 1 --prompt-tokens 16 --new-tokens 256 2>&1 | tee "$log_dir/bench_b1.log"
+bench --batch-size 8 --prompt-tokens 16 --new-tokens 256 2>&1 | tee "$log_dir/bench_b8.log"
+bench --batch-size 1 --prompt-tokens 16 --new-tokens 256 --temperature 0.8 --no-peers 2>&1 | tee "$log_dir/bench_b1_sampling.log"
 python3 -m nanoeuler_core.cli generate "$run_dir" "ROMEO:" --max-new-tokens 64 --temperature 0 --backend cuda \
     > "$log_dir/sample.txt" 2> "$log_dir/sample_stats.txt"
 echo "=== summary (tokens/s; targets: plain >= 1000, speculative >= 1.5x plain, >= torch compile)"

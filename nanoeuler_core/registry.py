@@ -149,6 +149,11 @@ class Backend:
     def synchronize(self) -> None:
         pass
 
+    def stream_handle(self) -> int:
+        """The raw handle of the stream this backend's work goes to now (a graph's capture stream
+        while one is captured), for libraries that launch on it (NCCL); 0 without streams."""
+        return 0
+
     def capture(self, fn):
         """Prepare fn (no arguments, reading and writing buffers that stay put) for repeated runs.
 

@@ -1,4 +1,4 @@
-"""The engine commands as a user runs them: `nanoeuler-run ops` and `nanoeuler-run gradcheck`."""
+"""The engine commands as a user runs them: `nanoeuler-run ops`, `gradcheck` and `bench`."""
 
 import subprocess
 import sys
@@ -32,3 +32,27 @@ def test_gradcheck_unknown_backend_is_one_line():
     result = run("gradcheck", "--backend", "tpu")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == ["error: unknown backend 'tpu' (choose from: cpu, cuda, reference)"]
+
+
+def test_bench_times_training_and_decoding():
+    train = run("bench", "--preset", "small", "--batch-size", "2", "--steps", "1", "--warmup", "1", "--no-peers")
+    assert train.returncode == 0, train.stderr
+    assert "tokens/s" in train.stdout
+    decode = run("bench", "--generate", "--preset", "small", "--prompt-tokens", "4", "--new-tokens", "8",
+                 "--steps", "1", "--no-peers")
+    assert decode.returncode == 0, decode.stderr
+    rows = {line.split("  ")[0]: line.split() for line in decode.stdout.splitlines() if line.startswith("nanoeuler")}
+    assert set(rows) == {"nanoeuler plain", "nanoeuler speculative"}
+    assert rows["nanoeuler plain"][-1] == "8/8" and rows["nanoeuler speculative"][-1] == "8/8"  # greedy: same tokens
+    assert "speculative decoding:" in decode.stdout
+
+
+def test_bench_errors_are_one_line(tmp_path):
+    cases = [(("--generate", "--precision", "bf16"), "decoding runs in float32"),
+             (("--generate", "--run", str(tmp_path)), "is not a nanoeuler run directory"),
+             (("--generate", "--new-tokens", "0"), "positive --prompt-tokens and --new-tokens"),
+             (("--steps", "0",), "positive --steps")]
+    for args, message in cases:
+        result = run("bench", *args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1 and message in lines[0], (args, result.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -122,23 +123,46 @@ def selftest(
 def bench(
     preset: str = typer.Option("small", help="model preset"),
     backend: str = typer.Option("cpu", help="cpu or cuda"),
-    batch_size: int = typer.Option(8, help="sequences per step"),
-    steps: int = typer.Option(20, help="timed steps"),
+    batch_size: Optional[int] = typer.Option(None, help="sequences per step (default 8; with --generate: rows "
+                                                        "decoded together, default 1)"),
+    steps: Optional[int] = typer.Option(None, help="timed steps (default 20; with --generate: timed generations, "
+                                                   "default 3)"),
     warmup: int = typer.Option(3, help="untimed steps first (compilation, graph capture)"),
     precision: Optional[str] = typer.Option(None, help="fp32, tf32 or bf16, in both engines (default: bf16 on a CUDA "
                                                        "GPU with tensor cores, fp32 on the CPU)"),
     profile: bool = typer.Option(False, help="also time each op in an eager step"),
     peers: bool = typer.Option(True, help="compare with PyTorch where it is installed"),
     startup: bool = typer.Option(False, help="also time a cold (empty kernel cache) and a warm start"),
+    generate: bool = typer.Option(False, help="time decoding instead of training: plain and speculative, against "
+                                              "PyTorch with a KV cache (and torch.compile on a GPU)"),
+    run: Optional[Path] = typer.Option(None, help="with --generate: the run directory whose weights to decode "
+                                                  "with (default: random weights of --preset)"),
+    prompt_tokens: int = typer.Option(16, help="with --generate: prompt length in tokens"),
+    new_tokens: int = typer.Option(256, help="with --generate: new tokens per row (capped to fit the context)"),
+    temperature: float = typer.Option(0.0, help="with --generate: 0 = greedy (the PyTorch peers run only then)"),
 ) -> None:
-    """Training tokens/s, model FLOPs utilisation and peak memory, against PyTorch on the same machine."""
+    """Training (or, with --generate, decoding) tokens/s and peak memory, against PyTorch on the same machine."""
     import tempfile
 
-    from nanoeuler_core.bench import training as benchmark
-
     be = registry.backend(backend)
+    batch_size = batch_size if batch_size is not None else 1 if generate else 8
+    steps = steps if steps is not None else 3 if generate else 20
     if be.name == "reference" or steps < 1 or batch_size < 1:
         raise ValueError("bench needs --backend cpu or cuda, and positive --steps and --batch-size")
+    if generate:
+        from nanoeuler_core.bench import generation
+
+        if precision not in (None, "fp32"):
+            raise ValueError("decoding runs in float32: --precision applies to the training benchmark")
+        if prompt_tokens < 1 or new_tokens < 1 or temperature < 0:
+            raise ValueError("bench --generate needs positive --prompt-tokens and --new-tokens, and --temperature >= 0")
+        if run is not None and not (run / "config.json").is_file():
+            raise ValueError(f"{run} is not a nanoeuler run directory (no config.json)")
+        generation.run(preset, backend, str(run) if run else None, batch_size, prompt_tokens, new_tokens, steps,
+                       temperature, peers, echo=typer.echo)
+        return
+    from nanoeuler_core.bench import training as benchmark
+
     precision = be.check_precision(precision or be.default_precision)
     if startup:
         with tempfile.TemporaryDirectory() as cache:

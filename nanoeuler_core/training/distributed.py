@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nanoeuler_core import registry
 from nanoeuler_core.engine.optim import Collectives, shard
 
 # Set in every process that mpiexec starts: MPICH (Hydra) and Intel MPI, Open MPI, PMIx launchers.
@@ -134,7 +135,7 @@ def _init_world() -> World:
         raise ValueError(f"started by mpiexec, but mpi4py is not installed: {INSTALL_HINT}") from None
     comm = MPI.COMM_WORLD
     launched = _launcher_value(LAUNCHER_SIZE_ENV, 1)
-    if comm.Get_size() != launched:
+    if launched > 1 and comm.Get_size() == 1:
         # Each process would train alone as rank 0, all writing the same run directory.
         library = " ".join(MPI.Get_library_version().split("\n")[0].split())
         raise ValueError(f"mpiexec started {launched} processes but MPI sees a job of {comm.Get_size()}: mpi4py "
@@ -248,27 +249,22 @@ class NcclCollectives:
             raise ValueError(f"the cuda backend under mpiexec needs nccl4py: {INSTALL_HINT_CUDA}") from None
         self.nccl = nccl
         self.rank, self.size = world.rank, world.size
+        self.backend = registry.backend("cuda")
         self.host = MpiCollectives(world.mpi)
         uid = nccl.get_unique_id() if world.rank == 0 else None
         uid = world.mpi.bcast(uid, root=0)
         self.comm = nccl.Communicator.init(world.size, world.rank, uid)
 
-    @staticmethod
-    def _stream() -> int:
-        from nanoeuler_ops.cuda.runtime import stream_handle  # where backend work goes now (capture included)
-
-        return stream_handle()
-
     def all_reduce_sum(self, buf) -> None:
-        self.comm.allreduce(buf, buf, self.nccl.SUM, stream=self._stream())
+        self.comm.allreduce(buf, buf, self.nccl.SUM, stream=self.backend.stream_handle())
 
     def reduce_scatter_sum(self, buf) -> None:
         lo, hi = shard(buf.size, self.rank, self.size)
-        self.comm.reduce_scatter(buf, buf[lo:hi], self.nccl.SUM, stream=self._stream())  # in place
+        self.comm.reduce_scatter(buf, buf[lo:hi], self.nccl.SUM, stream=self.backend.stream_handle())  # in place
 
     def all_gather(self, buf) -> None:
         lo, hi = shard(buf.size, self.rank, self.size)
-        self.comm.allgather(buf[lo:hi], buf, stream=self._stream())  # in place
+        self.comm.allgather(buf[lo:hi], buf, stream=self.backend.stream_handle())  # in place
 
     def host_sum(self, values: np.ndarray) -> np.ndarray:
         return self.host.host_sum(values)
@@ -294,8 +290,7 @@ def fail_together():
         yield
     except (Exception, KeyboardInterrupt) as exc:
         # the launcher's word where MPI did not start (mpi4py missing)
-        size = _WORLD.size if _WORLD is not None else int(next((os.environ[n] for n in LAUNCHER_SIZE_ENV
-                                                                  if n in os.environ), 1))
+        size = _WORLD.size if _WORLD is not None else _launcher_value(LAUNCHER_SIZE_ENV, 1)
         if size <= 1:
             raise
         rank = _WORLD.rank if _WORLD is not None else _launcher_rank()

@@ -45,6 +45,10 @@ class CudaBackend(Backend):
                              f"this GPU is {major}.{minor}: use --precision fp32")
         return super().check_precision(precision)
 
+    def stream_handle(self) -> int:
+        from nanoeuler_ops.cuda import runtime
+        return runtime.stream_handle()
+
     @contextmanager
     def matmul_mode(self, precision: str):
         from nanoeuler_ops.cuda import cublas
