@@ -1,34 +1,45 @@
-"""The data-parallel training step, timed: one optimizer step (every micro-batch, the gradient
-all-reduce or ZeRO-1's reduce-scatter and all-gather, AdamW) of the captured TrainStep.
+"""The data-parallel training step, timed: one optimizer step (every micro-batch, the gradients
+summed over the ranks, AdamW) of the captured TrainStep.
 
 Run it under mpiexec, one rank per GPU (or CPU share):
 
-    mpiexec -n 1 python bench/bench_dist.py --variant plain       # no communicator: today's step
-    mpiexec -n 1 python bench/bench_dist.py --variant allreduce   # NCCL (cuda) / MPI (cpu) all-reduce in the step
+    mpiexec -n 1 python bench/bench_dist.py --variant plain       # no communicator: the 1-GPU step
+    mpiexec -n 2 python bench/bench_dist.py --variant allreduce   # NCCL (cuda) / MPI (cpu) all-reduce in the step
     mpiexec -n 2 python bench/bench_dist.py --variant zero        # ZeRO-1: moments sharded over the ranks
 
-Options: --preset gpu --backend cuda --batch-size 32 --grad-accum 1 --steps 20 --warmup 3 [--precision fp32|tf32|bf16].
+Options: --preset gpu --backend cuda --batch-size 32 --grad-accum 1 --steps 20 --warmup 3
+[--precision fp32|tf32|bf16] [--no-overlap: sum the gradients after the backward, not during it].
 The batches come from (seed, step, row), as in training, from a random token stream, so runs of
-different shapes see the same rows. Rank 0 prints one JSON line: median ms per step, tokens/s in
-all and per rank, device memory in use per rank (GPU) or peak RSS (CPU), and the loss and
-gradient norm of every step (to compare variants: they must agree).
+different shapes see the same rows (the PyTorch DDP peer, bench/torch_ddp.py, draws the same).
+Rank 0 prints one JSON line: median ms per step, tokens/s in all and per rank, device memory in
+use per rank (GPU) or peak RSS (CPU), and the loss and gradient norm of every step (to compare
+variants: they must agree).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import time
 
 import numpy as np
 
+from nanoeuler_core.bench.training import memory_mb
 from nanoeuler_core.corpus.tokens import BatchLoader
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.model import Model
-from nanoeuler_core.engine.optim import AdamW, TrainStep
+from nanoeuler_core.engine.optim import AdamW
 from nanoeuler_core.training import distributed
+from nanoeuler_core.training.step import TrainStep
+
+
+def batches(cfg, batch_size: int, grad_accum: int, rank: int):
+    """Step s's micro-batches of this rank: rows from (seed 0, s, part) of a random token stream."""
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 2_000_000).astype(np.uint16)
+    loader = BatchLoader(tokens, batch_size, cfg.ctx_len, seed=0)
+    parts = range(rank * grad_accum, (rank + 1) * grad_accum)
+    return lambda step: [loader.batch(step, p) for p in parts]
 
 
 def main() -> None:
@@ -41,6 +52,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--precision", default=None, help="fp32, tf32 or bf16 (default: the backend's)")
+    parser.add_argument("--no-overlap", dest="overlap", action="store_false",
+                        help="sum the gradients after the backward instead of during it")
     args = parser.parse_args()
 
     job = distributed.world()
@@ -50,36 +63,30 @@ def main() -> None:
     cfg = ModelConfig.preset(args.preset)
     model = Model(cfg, backend=args.backend, seed=0, precision=args.precision)
     comm = None if args.variant == "plain" else job.collectives(args.backend)
-    step = TrainStep(model, AdamW(model, comm=comm, zero=args.variant == "zero"))
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 2_000_000).astype(np.uint16)
-    loader = BatchLoader(tokens, args.batch_size, cfg.ctx_len, seed=0)
-    parts = range(job.rank * args.grad_accum, (job.rank + 1) * args.grad_accum)
+    step = TrainStep(model, AdamW(model, comm=comm, zero=args.variant == "zero", overlap=args.overlap))
+    step_batches = batches(cfg, args.batch_size, args.grad_accum, job.rank)
 
-    times, history, memory = [], [], 0
+    times, history, memory = [], [], 0.0
     for i in range(args.warmup + args.steps):
-        batches = [loader.batch(i + 1, p) for p in parts]
+        micro = step_batches(i + 1)
         job.barrier()  # every rank starts the step together: the time is the step's, not a rank's lag
         t = time.perf_counter()
-        loss, norm = step.micro_batches(batches, 1e-4)  # returns once the step is done (host copies)
+        loss, norm = step.micro_batches(micro, 1e-4)  # returns once the step is done (host copies)
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
         history.append((round(loss, 6), round(norm, 6)))
-        if args.backend == "cuda":
-            from numba import cuda
-
-            free, total = cuda.current_context().get_memory_info()
-            memory = max(memory, total - free)
-    memory = memory or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        memory = max(memory, memory_mb(model.backend))
     memory_by_rank = job.allgather(memory)
     seconds = statistics.median(times)
     tokens_per_step = job.size * args.grad_accum * args.batch_size * cfg.ctx_len
     if job.rank == 0:
         print(json.dumps({
-            "variant": args.variant, "ranks": job.size, "preset": args.preset, "backend": args.backend,
-            "batch_size": args.batch_size, "grad_accum": args.grad_accum, "precision": model.precision,
+            "engine": "nanoeuler", "variant": args.variant, "overlap": args.overlap and comm is not None,
+            "ranks": job.size, "preset": args.preset, "backend": args.backend, "device": model.backend.device_name(),
+            "batch_size": args.batch_size, "grad_accum": args.grad_accum, "precision": model.precision.name,
             "ms_per_step": round(seconds * 1e3, 2), "tokens_per_s": round(tokens_per_step / seconds),
             "tokens_per_s_per_rank": round(tokens_per_step / seconds / job.size),
-            "memory_gb_by_rank": [round(m / 1e9, 3) for m in memory_by_rank],
+            "memory_gb_by_rank": [round(m * 2**20 / 1e9, 3) for m in memory_by_rank],
             "loss_and_norm": history}), flush=True)
 
 

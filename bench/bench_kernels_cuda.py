@@ -23,6 +23,7 @@ import statistics
 import numpy as np
 from numba import cuda
 
+from nanoeuler_core import registry
 from nanoeuler_ops.cuda import BACKEND, cublas, runtime
 from nanoeuler_ops.cuda import (adamw, add, add_rmsnorm, attention, cross_entropy, embedding, linear, qkv_rope, rmsnorm,
                                 swiglu)
@@ -231,28 +232,9 @@ def torch_fns(torch, B: int, precision: str):
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="bf16")
-    parser.add_argument("--json", help="also write the results to this JSON file")
-    args = parser.parse_args()
-    try:
-        import torch
-        torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
-        torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
-    except ImportError:
-        torch = None
-    cublas.ALLOW_TF32 = args.precision == "tf32"
-
-    name = cuda.get_current_device().name
-    name = name.decode() if isinstance(name, bytes) else name
-    bandwidth, measured_by = copy_bandwidth(torch)
-    print(f"{name}; batch {args.batch_size} x 512; {args.precision}; cuBLAS: {cublas.uses_cublas()}; copy bandwidth "
-          f"{bandwidth / 1e9:.0f} GB/s ({measured_by}); {args.precision} peak {PEAK[args.precision] / 1e12:.0f} TFLOP/s")
-    rng = np.random.default_rng(0)
+def time_cases(args, rng, torch, torch_ops, bandwidth) -> list[dict]:
+    """Time every case (ours, and the PyTorch peer where there is one); print a line each."""
     rows = []
-    torch_ops = torch_fns(torch, args.batch_size, args.precision) if torch is not None else {}
     for op, phase, fn, key, nbytes, flops in cases(args.batch_size, rng, args.precision):
         ms = time_numba(fn)
         torch_ms = math.nan
@@ -269,7 +251,31 @@ def main() -> None:
                          bytes=nbytes, flops=flops))
         print(f"{op:<22} {phase:<4} {ms:8.3f} ms  {achieved}  {100 * rate / peak:5.1f}% of roofline  "
               f"torch {torch_ms:8.3f} ms  torch/ours {torch_ms / ms:5.2f}", flush=True)
-    cublas.ALLOW_TF32 = False
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="bf16")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    try:
+        import torch
+        torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
+        torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
+    except ImportError:
+        torch = None
+
+    name = cuda.get_current_device().name
+    name = name.decode() if isinstance(name, bytes) else name
+    bandwidth, measured_by = copy_bandwidth(torch)
+    print(f"{name}; batch {args.batch_size} x 512; {args.precision}; cuBLAS: {cublas.uses_cublas()}; copy bandwidth "
+          f"{bandwidth / 1e9:.0f} GB/s ({measured_by}); {args.precision} peak {PEAK[args.precision] / 1e12:.0f} TFLOP/s")
+    rng = np.random.default_rng(0)
+    torch_ops = torch_fns(torch, args.batch_size, args.precision) if torch is not None else {}
+    with BACKEND.computing(registry.precision(args.precision)):
+        rows = time_cases(args, rng, torch, torch_ops, bandwidth)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=name, batch_size=args.batch_size, precision=args.precision, copy_bandwidth=bandwidth,

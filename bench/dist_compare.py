@@ -6,8 +6,10 @@
 `runs`: for each run, the largest relative difference of its per-step loss from RUN_A's, the
 relative difference of its final weights (|a - b| / |a| over the whole model), and its median
 tokens/s in all and per rank (steps after the 5th, evaluation steps left out).
-`steps`: per (variant, ranks, batch, grad-accum): median ms/step over the repeats, tokens/s in all
-and per rank, memory by rank, and whether every repeat's losses equal the plain variant's.
+`steps`: per (engine, variant, overlap, ranks, batch, grad-accum): median ms/step over the repeats,
+tokens/s in all and per GPU, the scaling efficiency (per-GPU tokens/s over the same engine's on one
+GPU), the ratio to PyTorch DDP's per-GPU tokens/s on as many GPUs (bench/torch_ddp.py), memory by
+rank, and whether every 1-rank repeat's losses equal the plain variant's.
 """
 
 from __future__ import annotations
@@ -44,20 +46,34 @@ def compare_runs(dirs: list[Path]) -> None:
 
 
 def summarise_steps(path: Path) -> None:
+    """One row per (engine, variant, overlap, ranks, batch, accum, precision): medians over the
+    repeats; per-rank tokens/s against the same engine's 1-GPU figure (scaling efficiency) and
+    against PyTorch DDP's on as many GPUs; whether 1-rank losses equal the plain step's."""
     results = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["variant"], r["ranks"], r["batch_size"], r["grad_accum"], r["precision"]), []).append(r)
-    plain = {(k[2], k[3], k[4]): g[0]["loss_and_norm"] for k, g in groups.items() if k[0] == "plain"}
-    print(f"{'variant':<10} {'ranks':>5} {'batch':>5} {'accum':>5} {'ms/step':>9} {'tokens/s':>10} {'per rank':>10} "
-          f"{'memory GB by rank':<22} losses = plain's")
-    for (variant, ranks, batch, accum, precision), g in groups.items():
+        key = (r.get("engine", "nanoeuler"), r["variant"], r.get("overlap", False), r["ranks"], r["batch_size"],
+               r["grad_accum"], r["precision"])
+        groups.setdefault(key, []).append(r)
+    per_rank = {k: statistics.median(r["tokens_per_s_per_rank"] for r in g) for k, g in groups.items()}
+    one_gpu = {k[0]: v for k, v in per_rank.items() if k[3] == 1 and k[1] in ("plain", "ddp")}
+    ddp = {k[3]: v for k, v in per_rank.items() if k[0].startswith("torch-ddp")}
+    plain = {(k[4], k[5], k[6]): g[0].get("loss_and_norm") for k, g in groups.items() if k[1] == "plain"}
+    devices = sorted({r.get("device", "?") for r in results})
+    print(f"devices: {', '.join(devices)}")
+    print(f"{'engine':<18} {'variant':<10} {'overlap':>7} {'GPUs':>4} {'batch':>5} {'ms/step':>8} {'tokens/s':>10} "
+          f"{'per GPU':>9} {'scaling':>8} {'vs DDP':>7} {'memory GB by rank':<28} losses = plain's")
+    for key, g in groups.items():
+        engine, variant, overlap, ranks, batch, accum, precision = key
         ms = statistics.median(r["ms_per_step"] for r in g)
         tps = statistics.median(r["tokens_per_s"] for r in g)
+        scaling = per_rank[key] / one_gpu[engine] if engine in one_gpu else float("nan")
+        vs_ddp = per_rank[key] / ddp[ranks] if ranks in ddp and not engine.startswith("torch") else float("nan")
         same = plain.get((batch, accum, precision))
-        equal = "-" if same is None or ranks > 1 else str(all(r["loss_and_norm"] == same for r in g))
-        print(f"{variant:<10} {ranks:>5} {batch:>5} {accum:>5} {ms:>9.2f} {tps:>10,.0f} {tps / ranks:>10,.0f} "
-              f"{str(g[0]['memory_gb_by_rank']):<22} {equal}")
+        equal = "-" if same is None or ranks > 1 or "loss_and_norm" not in g[0] else str(
+            all(r["loss_and_norm"] == same for r in g))
+        print(f"{engine:<18} {variant:<10} {str(overlap):>7} {ranks:>4} {batch:>5} {ms:>8.2f} {tps:>10,.0f} "
+              f"{per_rank[key]:>9,.0f} {scaling:>8.1%} {vs_ddp:>7.2f} {str(g[0]['memory_gb_by_rank']):<28} {equal}")
 
 
 if __name__ == "__main__":

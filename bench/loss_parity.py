@@ -20,7 +20,8 @@ import numpy as np
 
 from nanoeuler_core import Model, ModelConfig
 from nanoeuler_core.corpus.tokens import BatchLoader, default_corpus, load_tokens
-from nanoeuler_core.engine.optim import AdamW, TrainStep, lr_at
+from nanoeuler_core.engine.optim import AdamW, lr_at
+from nanoeuler_core.training.step import TrainStep
 from nanoeuler_core.text.tokenizer import Tokenizer
 from nanoeuler_core.training.pretrain import TrainConfig
 

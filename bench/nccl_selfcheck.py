@@ -3,21 +3,25 @@ launched eagerly and inside a captured CUDA graph, one rank per GPU:
 
     mpiexec -n 2 python bench/nccl_selfcheck.py        # (-n 1 on a single GPU)
 
-Checks, each on every rank: all-reduce (float32 and the float64 the sharded AdamW uses),
-in-place reduce-scatter and all-gather (ZeRO-1), the host sums over MPI, then the same device
-collectives captured with the training step's recipe (Backend.capture) and replayed with new
-inputs. Prints one line per check on rank 0 and ends with "nccl self-check passed" (exit 0),
-or the first mismatch (exit 1).
+Checks, each on every rank: each rank drives a GPU of its own; all-reduce (float32 and the
+float64 the sharded AdamW uses), in-place reduce-scatter and all-gather (ZeRO-1), the bucketed
+sums the training step starts during the backward (all-reduce, and reduce onto each shard's
+owner, on the communication stream), the host sums over MPI, then the same device collectives
+captured with the training step's recipe (Backend.capture) and replayed with new inputs. Prints
+one line per check on rank 0, then the all-reduce bandwidth of a gradient buffer of the `gpu`
+preset, and ends with "nccl self-check passed" (exit 0), or the first mismatch (exit 1).
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 
 import numpy as np
 
 from nanoeuler_core import registry
-from nanoeuler_core.engine.optim import shard
+from nanoeuler_core.collectives import shard
 from nanoeuler_core.training import distributed
 
 
@@ -41,10 +45,9 @@ def main() -> int:
         if not all(verdicts):
             failures.append(what)
 
-    print(f"rank {rank}/{size}: local rank {job.local_rank}, GPU {cuda.get_current_device().id} "
-          f"{cuda.get_current_device().name.decode() if isinstance(cuda.get_current_device().name, bytes) else cuda.get_current_device().name}",
-          flush=True)
-    job.barrier()
+    device = cuda.get_current_device()
+    print(f"rank {rank}/{size}: local rank {job.local_rank}, {be.device_name()} {device.uuid}", flush=True)
+    check("every rank drives a GPU of its own", True, len(set(job.allgather(device.uuid))) == size)
 
     # eager, default stream
     base = np.arange(n, dtype=np.float64) % 1000  # small integers: sums are exact in float32
@@ -68,6 +71,21 @@ def main() -> int:
     want = np.concatenate([base[a:b] * (r + 1) for r, (a, b) in enumerate(shard(n, r, size) for r in range(size))])
     check("all-gather in place", buf.copy_to_host(), want.astype(np.float32))
 
+    buf = cuda.to_device((base + rank).astype(np.float32))
+    comm.all_reduce_sum_async(buf[:n // 3])   # two buckets of unequal size, then the wait
+    comm.all_reduce_sum_async(buf[n // 3:])
+    comm.wait()
+    check("all-reduce in two buckets on the communication stream", buf.copy_to_host(),
+          (size * base + ranks.sum()).astype(np.float32))
+
+    buf = cuda.to_device((base + rank).astype(np.float32))
+    for owner in range(size):
+        a, b = shard(n, owner, size)
+        comm.reduce_sum_async(buf[a:b], owner)
+    comm.wait()
+    check("reduce onto each shard's owner on the communication stream", buf.copy_to_host()[lo:hi],
+          (size * base + ranks.sum()).astype(np.float32)[lo:hi])
+
     check("host sum over MPI", comm.host_sum(np.array([rank, 1])), [ranks.sum(), size])
     check("host concat over MPI", comm.host_concat(np.array([rank, rank])), np.repeat(np.arange(size), 2))
 
@@ -77,8 +95,10 @@ def main() -> int:
 
     def step():
         be.copy_(work, src)            # a kernel on the capture stream
-        comm.all_reduce_sum(work)      # NCCL on the same stream
-        comm.reduce_scatter_sum(work)  # then ZeRO-1's pair, in place
+        comm.all_reduce_sum_async(work[n // 2:])   # NCCL on the communication stream, joined by wait()
+        comm.all_reduce_sum_async(work[:n // 2])
+        comm.wait()
+        comm.reduce_scatter_sum(work)  # then ZeRO-1's pair, in place, on the capture stream
         comm.all_gather(work)
         return work
 
@@ -89,7 +109,22 @@ def main() -> int:
         expect = size * (size * base * (round_ + 1) + ranks.sum())  # all-reduce, then reduce-scatter sums again
         check(f"captured graph, replay {round_ + 1}: all-reduce, reduce-scatter, all-gather", out,
               expect.astype(np.float32))
+    grads = be.zeros(116_417_280)   # the `gpu` preset's gradient buffer, float32
+    for _ in range(3):
+        comm.all_reduce_sum(grads)
+    be.synchronize()
+    times = []
+    for _ in range(10):
+        job.barrier()
+        t = time.perf_counter()
+        comm.all_reduce_sum(grads)
+        be.synchronize()
+        times.append(time.perf_counter() - t)
+    seconds = statistics.median(times)
     if rank == 0:
+        bus = 2 * (size - 1) / size * grads.size * 4 / seconds
+        print(f"all-reduce of {grads.size * 4 / 1e6:.0f} MB: {seconds * 1e3:.2f} ms, bus bandwidth {bus / 1e9:.0f} GB/s "
+              f"({size} ranks)", flush=True)
         print("nccl self-check passed" if not failures else f"nccl self-check FAILED: {', '.join(failures)}", flush=True)
     return 1 if failures else 0
 

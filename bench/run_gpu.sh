@@ -1,30 +1,35 @@
 #!/usr/bin/env bash
-# Every GPU figure in bench/RESULTS.md, in stages (all by default); logs under LOG_DIR.
-#   bash bench/run_gpu.sh [LOG_DIR] [training] [generation] [dist]
-#   training:   the CUDA kernel tests (fp32 and bf16), selftest in bf16, per-kernel timings in bf16,
-#               the training step against PyTorch (bf16 autocast, eager and torch.compile; TF32 too),
-#               and 500 steps of bf16, fp32 and PyTorch bf16 from the same weights and batches
+# GPU figures of bench/RESULTS.md, in stages; logs under LOG_DIR. Run from the project's root on a
+# fresh GPU machine, with .whl/ beside it (bench/gpu_env.sh installs what the machine lacks).
+#   bash bench/run_gpu.sh [LOG_DIR] [tests] [training] [generation] [dist]
+#   tests:      every GPU test (pytest -m gpu), the selftest in bf16, and the bf16 training step against
+#               PyTorch (bf16 autocast, eager and torch.compile), with the per-op profile
+#   training:   per-kernel timings in bf16, the TF32 step, and 500 steps of bf16, fp32 and PyTorch bf16
+#               from the same weights and batches
 #   generation: a `gpu` model trained 300 steps, decoding tests and the decoding benchmark
 #   dist:       the NCCL communicator and the captured step with the all-reduce inside (one rank)
-# Needs torch for the peers; the dist stage needs mpich, mpi4py and nccl4py (bench/RESULTS.md).
+# (default: tests training generation dist)
 set -uo pipefail
 log_dir=${1:-gpu-logs}
 shift || true
-stages=${*:-training generation dist}
+stages=${*:-tests training generation dist}
 mkdir -p "$log_dir"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+cd "$(dirname "$0")/.."
+source bench/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$log_dir/gpu.txt"
 quiet() { grep -v -E "NumbaPerformanceWarning|warn\(errors"; }
 NE="python3 -m nanoeuler_core.cli"
 
 for stage in $stages; do case $stage in
-training)
-    timeout 240 python3 -m pytest -q -m gpu tests/test_tensor_cores.py tests/test_cuda.py tests/test_precision.py \
-        -p no:cacheprovider -W ignore::numba.core.errors.NumbaPerformanceWarning 2>&1 | tail -n 12 | tee "$log_dir/tests.log"
+tests)
+    timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider -W ignore::numba.core.errors.NumbaPerformanceWarning \
+        2>&1 | tail -n 25 | tee "$log_dir/tests.log"
     timeout 200 $NE selftest --backend cuda --precision bf16 2>&1 | quiet | tee "$log_dir/selftest_bf16.log"
-    timeout 120 python3 bench/bench_kernels_cuda.py --precision bf16 2>&1 | quiet | tee "$log_dir/kernels_bf16.log"
     timeout 240 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 --warmup 3 --profile \
         2>&1 | quiet | tee "$log_dir/bench_bf16.log"
+    ;;
+training)
+    timeout 120 python3 bench/bench_kernels_cuda.py --precision bf16 2>&1 | quiet | tee "$log_dir/kernels_bf16.log"
     timeout 90 $NE bench --preset gpu --backend cuda --batch-size 32 --precision tf32 --steps 10 --warmup 3 --no-peers \
         2>&1 | quiet | tee "$log_dir/bench_tf32.log"
     timeout 240 python3 bench/loss_parity.py --preset gpu --steps 500 --batch-size 8 2>&1 | quiet | tee "$log_dir/loss_parity.log"
@@ -42,7 +47,6 @@ generation)
         -W ignore::numba.core.errors.NumbaPerformanceWarning 2>&1 | tail -n 8 | tee "$log_dir/generate_tests.log"
     ;;
 dist)
-    source "$(dirname "$0")/mpi_env.sh"
     timeout 120 "$mpiexec" -n 1 python3 bench/nccl_selfcheck.py 2>&1 | quiet | tee "$log_dir/nccl_selfcheck.log"
     for variant in plain allreduce zero plain allreduce zero; do
         timeout 90 "$mpiexec" -n 1 python3 bench/bench_dist.py --variant "$variant" --batch-size 32 --steps 20 --warmup 3

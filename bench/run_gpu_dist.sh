@@ -9,7 +9,7 @@ set -uo pipefail
 log_dir=${1:-gpu-logs-dist}
 mkdir -p "$log_dir"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # never NVLink multicast on shared machines
-source "$(dirname "$0")/mpi_env.sh"
+source "$(dirname "$0")/gpu_env.sh"
 run() { echo "+ $*" | tee -a "$log_dir/commands.txt"; "$@"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$log_dir/gpu.txt"

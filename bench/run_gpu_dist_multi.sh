@@ -1,70 +1,98 @@
 #!/usr/bin/env bash
-# Data parallelism on N GPUs of one host, one rank per GPU (NCCL): the self-check; the captured step
-# on 1 GPU against N (scaling efficiency) and with ZeRO-1 (memory per GPU); the `gpu` preset's loss
-# curve on N GPUs against 1 GPU accumulating N micro-batches of the same size, with and without
-# ZeRO-1; a rank killed mid-run and the job resumed from its last checkpoint. Logs go to LOG_DIR.
-# Needs the [dist-cuda] packages (bench/RESULTS.md, "Data-parallel training: GPU set-up").
-#   bash bench/run_gpu_dist_multi.sh N [LOG_DIR] [STEPS]
-# STAGES="selfcheck steps curves kill" (the default) picks stages; ROUNDS=2 repeats the step timings;
-# KILL_AFTER=50 is the step count after which rank 1 is killed (checkpoints every 10 steps).
-# (BACKEND=cpu PRESET=small rehearses the same steps on CPU cores, without the NCCL self-check.)
+# Data parallelism on the GPUs of one machine, one rank per GPU (NCCL), against PyTorch DDP on the
+# same GPUs. Run it from the project's root on a fresh GPU machine (with .whl/ beside it: see
+# bench/gpu_env.sh, which sets everything up). Logs and a summary go to LOG_DIR.
+#   bash bench/run_gpu_dist_multi.sh "GPUS" [LOG_DIR] [STEPS]        e.g. GPUS="1 2 4"
+# Stages (STAGES="selfcheck steps curves kill", the default):
+#   selfcheck  the communicator on every GPU count above 1: eager, captured, bucketed; all-reduce bandwidth
+#   steps      the captured step, `gpu` preset, 32 x 512 rows per GPU, bf16: 1 GPU, then every count with
+#              the all-reduce (overlapped with the backward, and not: OVERLAP_OFF="4" picks the counts)
+#              and with ZeRO-1; PyTorch DDP + compile + bf16 autocast on the same counts; scaling
+#              efficiency, ratio to DDP and memory per GPU (bench/dist_compare.py)
+#   curves     the largest count against 1 GPU accumulating as many micro-batches of 16 rows, plain
+#              and ZeRO-1, STEPS steps on the bundled corpus: largest relative loss difference
+#   kill       kill -9 of rank 1 after KILL_AFTER steps: the job must end within seconds, the last
+#              checkpoint load; the run resumes on the same count, then on half as many GPUs
+# ROUNDS=1 repeats the step timings. BACKEND=cpu PRESET=small rehearses it all on CPU cores.
 set -uo pipefail
-n=${1:?usage: bash bench/run_gpu_dist_multi.sh N [LOG_DIR] [STEPS]}
-log_dir=${2:-gpu-logs-dist-$n}
-steps=${3:-300}
+gpus=${1:?usage: bash bench/run_gpu_dist_multi.sh "GPUS" [LOG_DIR] [STEPS]}
+log_dir=${2:-gpu-logs-dist}
+steps=${3:-200}
 mkdir -p "$log_dir"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # never NVLink multicast on shared machines
-source "$(dirname "$0")/mpi_env.sh"
+cd "$(dirname "$0")/.."
+source bench/gpu_env.sh || exit 1
 runs=${RUNS_DIR:-/tmp/ne-dist-runs}
 backend=${BACKEND:-cuda}
 preset=${PRESET:-gpu}
 model=(--preset "$preset" --backend "$backend")
 stages=" ${STAGES:-selfcheck steps curves kill} "
-rounds=${ROUNDS:-2}
-kill_after=${KILL_AFTER:-50}
+rounds=${ROUNDS:-1}
+overlap_off=" ${OVERLAP_OFF:-4} "
+kill_after=${KILL_AFTER:-30}
+largest=$(echo "$gpus" | tr ' ' '\n' | sort -n | tail -1)
 rm -rf "$runs"; mkdir -p "$runs"
-run() { echo "+ $*" | tee -a "$log_dir/commands.txt"; "$@"; }
+run() { echo "+ $*" | tee -a "$log_dir/commands.txt" >&2; "$@"; }
 wants() { [[ $stages == *" $1 "* ]]; }
+quiet() { grep -v -E "NumbaPerformanceWarning|warn\(|^\s*$"; }
 
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$log_dir/gpu.txt"
-nvidia-smi topo -m > "$log_dir/topology.txt" 2>&1
+if [ "$backend" = cuda ]; then
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$log_dir/gpu.txt"
+  nvidia-smi topo -m > "$log_dir/topology.txt" 2>&1
+  python3 -c "import mpi4py, nccl.core; from mpi4py import MPI; print('mpi4py', mpi4py.__version__,
+MPI.Get_library_version().splitlines()[0]); print('nccl4py', nccl.core.__version__)" 2>&1 | tee "$log_dir/versions.txt"
+fi
 
-# 1. the communicator on N GPUs, eager and captured: expect "nccl self-check passed"
-[ "$backend" = cuda ] && wants selfcheck && run "$mpiexec" -n "$n" python3 bench/nccl_selfcheck.py 2>&1 | tee "$log_dir/selfcheck.log"
+# 1. the communicator: expect "nccl self-check passed" for every count
+if [ "$backend" = cuda ] && wants selfcheck; then
+  for n in $gpus; do [ "$n" -gt 1 ] || continue
+    run timeout 180 "$mpiexec" -n "$n" python3 bench/nccl_selfcheck.py 2>&1 | quiet | tee -a "$log_dir/selfcheck.log"
+  done
+fi
 
-# 2. step time and memory: 1 GPU (no communicator) vs N GPUs, the same 32 x 512 rows per GPU, in the
-#    backend's default precision (bf16 on a GPU);
-#    scaling efficiency = (tokens/s per rank on N) / (tokens/s on 1); ZeRO-1's memory by rank vs plain's
-wants steps && for round in $(seq "$rounds"); do
-  run "$mpiexec" -n 1 python3 bench/bench_dist.py "${model[@]}" --variant plain --batch-size 32 --steps 30 --warmup 5
-  run "$mpiexec" -n "$n" python3 bench/bench_dist.py "${model[@]}" --variant allreduce --batch-size 32 --steps 30 --warmup 5
-  run "$mpiexec" -n "$n" python3 bench/bench_dist.py "${model[@]}" --variant zero --batch-size 32 --steps 30 --warmup 5
-done 2>&1 | tee "$log_dir/step_times.jsonl"
-wants steps && python3 bench/dist_compare.py steps "$log_dir/step_times.jsonl" | tee "$log_dir/summary.txt"
+# 2. step times: ours on 1, then N GPUs (all-reduce overlapped / not, ZeRO-1), PyTorch DDP on the same counts
+if wants steps; then
+  bench=(timeout 240 python3 bench/bench_dist.py "${model[@]}" --batch-size 32 --steps 30 --warmup 5)
+  for round in $(seq "$rounds"); do
+    for n in $gpus; do
+      if [ "$n" -eq 1 ]; then
+        run "$mpiexec" -n 1 "${bench[@]}" --variant plain
+      else
+        run "$mpiexec" -n "$n" "${bench[@]}" --variant allreduce
+        [[ $overlap_off == *" $n "* ]] && run "$mpiexec" -n "$n" "${bench[@]}" --variant allreduce --no-overlap
+        run "$mpiexec" -n "$n" "${bench[@]}" --variant zero
+      fi
+      if [ "$backend" = cuda ]; then
+        run timeout 300 torchrun --standalone --nproc_per_node "$n" bench/torch_ddp.py --preset "$preset" \
+            --batch-size 32 --steps 30 --warmup 10
+      fi
+    done
+  done 2>&1 | quiet | tee "$log_dir/step_times.jsonl"
+  python3 bench/dist_compare.py steps "$log_dir/step_times.jsonl" | tee "$log_dir/summary.txt"
+fi
 
-# 3. loss curves, `gpu` preset on the bundled corpus, 16 rows per micro-batch: 1 GPU accumulating N
-#    micro-batches = N GPUs with one each (= N GPUs with ZeRO-1), up to the precision's rounding
-common=("${model[@]}" --steps "$steps" --batch-size 16 --eval-every 100 --ckpt-every 100
-        --sample-prompt x)
+# 3. loss curves on the bundled corpus, 16 rows per micro-batch: 1 GPU accumulating N micro-batches =
+#    N GPUs with one each (= with ZeRO-1), up to the precision's rounding
+common=("${model[@]}" --steps "$steps" --batch-size 16 --eval-every 100 --ckpt-every 100 --sample-prompt x)
 tok=(--tokenizer "$runs/one-gpu/tokenizer.json")
+keep() { grep -E "^(run |done:|memory per rank|resuming|error)"; }
 if wants curves || wants kill; then
-run python3 -m nanoeuler_core.cli pretrain "${common[@]}" --grad-accum "$n" --out "$runs/one-gpu" 2>&1 \
-    | grep -E "^(run |done:|memory per rank|error)" | tee "$log_dir/curves.log"
+  run timeout 300 python3 -m nanoeuler_core.cli pretrain "${common[@]}" --grad-accum "$largest" --out "$runs/one-gpu" \
+      2>&1 | keep | tee "$log_dir/curves.log"
 fi
 if wants curves; then
-run "$mpiexec" -n "$n" python3 -m nanoeuler_core.cli pretrain "${common[@]}" "${tok[@]}" --out "$runs/ranks" 2>&1 \
-    | grep -E "^(run |done:|memory per rank|error)" | tee -a "$log_dir/curves.log"
-run "$mpiexec" -n "$n" python3 -m nanoeuler_core.cli pretrain "${common[@]}" "${tok[@]}" --zero 1 --out "$runs/zero" 2>&1 \
-    | grep -E "^(run |done:|memory per rank|error)" | tee -a "$log_dir/curves.log"
-python3 bench/dist_compare.py runs "$runs/one-gpu" "$runs/ranks" "$runs/zero" | tee -a "$log_dir/summary.txt"
-for r in one-gpu ranks zero; do cp "$runs/$r/metrics.jsonl" "$log_dir/metrics-$r.jsonl"; done
+  run timeout 300 "$mpiexec" -n "$largest" python3 -m nanoeuler_core.cli pretrain "${common[@]}" "${tok[@]}" \
+      --out "$runs/ranks" 2>&1 | keep | tee -a "$log_dir/curves.log"
+  run timeout 300 "$mpiexec" -n "$largest" python3 -m nanoeuler_core.cli pretrain "${common[@]}" "${tok[@]}" --zero 1 \
+      --out "$runs/zero" 2>&1 | keep | tee -a "$log_dir/curves.log"
+  python3 bench/dist_compare.py runs "$runs/one-gpu" "$runs/ranks" "$runs/zero" | tee -a "$log_dir/summary.txt"
+  for r in one-gpu ranks zero; do cp "$runs/$r/metrics.jsonl" "$log_dir/metrics-$r.jsonl"; done
 fi
 wants kill || exit 0
 
-# 4. kill -9 rank 1 mid-run (checkpoints every 10 steps): the job must end at once, the last
-#    checkpoint load, and the resumed job continue from it
-"$mpiexec" -n "$n" python3 -m nanoeuler_core.cli pretrain "${common[@]}" "${tok[@]}" --steps 100000 --ckpt-every 10 \
-    --out "$runs/killed" > "$log_dir/killed.log" 2>&1 &
+# 4. kill -9 of rank 1 mid-run (checkpoints every 10 steps): the job must end at once, the last
+#    checkpoint load, and the job resume from it on as many GPUs, then on half as many
+"$mpiexec" -n "$largest" python3 -m nanoeuler_core.cli pretrain "${common[@]}" "${tok[@]}" --steps 100000 \
+    --ckpt-every 10 --out "$runs/killed" > "$log_dir/killed.log" 2>&1 &
 launcher=$!
 until [ -f "$runs/killed/metrics.jsonl" ] && [ "$(wc -l < "$runs/killed/metrics.jsonl")" -ge "$kill_after" ]; do
   kill -0 $launcher 2>/dev/null || break; sleep 1
@@ -92,5 +120,9 @@ wait $launcher
 echo "job ended with status $? after $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s" | tee -a "$log_dir/kill.txt"
 tail -n 12 "$log_dir/killed.log" | tee -a "$log_dir/kill.txt"
 last=$(python3 -c "from nanoeuler_core.engine import checkpoint as c; print(c.load_tensors('$runs/killed/model.safetensors')[1]['step'])")
-run "$mpiexec" -n "$n" python3 -m nanoeuler_core.cli pretrain --resume "$runs/killed" --steps $((last + 20)) \
-    --sample-prompt x 2>&1 | grep -E "resuming|done:|error" | tee -a "$log_dir/kill.txt"
+echo "last checkpoint: step $last" | tee -a "$log_dir/kill.txt"
+run timeout 240 "$mpiexec" -n "$largest" python3 -m nanoeuler_core.cli pretrain --resume "$runs/killed" \
+    --steps $((last + 20)) --sample-prompt x 2>&1 | keep | tee -a "$log_dir/kill.txt"
+half=$(( largest > 1 ? largest / 2 : 1 ))
+run timeout 240 "$mpiexec" -n "$half" python3 -m nanoeuler_core.cli pretrain --resume "$runs/killed" \
+    --steps $((last + 40)) --grad-accum $((largest / half)) --sample-prompt x 2>&1 | keep | tee -a "$log_dir/kill.txt"

@@ -16,7 +16,7 @@ for _name in THREAD_ENV_SET_HERE:
     os.environ[_name] = THREAD_ENV[_name]
 
 from nanoeuler_core.engine.config import ModelConfig  # noqa: E402
-from nanoeuler_core.engine.model import Model  # noqa: E402
+from nanoeuler_core.inference.model import Model  # noqa: E402
 
 __all__ = ["ModelConfig", "Model", "Tokenizer"]
 

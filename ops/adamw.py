@@ -27,7 +27,7 @@ the gradients, with backend work only (a captured CUDA graph holds it).
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
 
 CLIP_EPS = 1e-6
 
@@ -95,12 +95,5 @@ def sample_inputs(rng):
                      name=f"P{size}_decay{n_decay}_step{step}" + ("_sharded" if hook else ""))
 
 
-OP = Op(
-    name="adamw",
-    summary="AdamW step with decoupled weight decay and global gradient-norm clipping (in place)",
-    reference=Impl(forward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.adamw", "cuda": "nanoeuler_ops.cuda.adamw"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-    inplace=(0, 2, 3),
-)
+OP = define_op(globals(), "AdamW step with decoupled weight decay and global gradient-norm clipping (in place)",
+                inplace=(0, 2, 3))

@@ -6,7 +6,7 @@ Backward: da = db = dy. Both gradients are the same array `dy`, not copies: call
 must not write into one.
 """
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, Tol, define_op
 
 
 def check_same_shape(a, b):
@@ -31,12 +31,5 @@ def sample_inputs(rng):
         yield Sample((a, b), grad_inputs=(0, 1), name="x".join(map(str, shape)))
 
 
-OP = Op(
-    name="add",
-    summary="Elementwise sum of two same-shape arrays (residuals, gradient accumulation)",
-    reference=Impl(forward, backward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.add", "cuda": "nanoeuler_ops.cuda.add"},
-    tol=Tol(rtol=1e-6, atol=1e-6),
-    precisions={"cuda": ("bf16",)},
-)
+OP = define_op(globals(), "Elementwise sum of two same-shape arrays (residuals, gradient accumulation)",
+                tol=Tol(rtol=1e-6, atol=1e-6), precisions={"cuda": ("bf16",)})

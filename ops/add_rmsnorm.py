@@ -11,7 +11,7 @@ The backward reads only `saved` and w (callers may pass None for x and branch). 
 is taken of s as stored (rounded), so the fused op equals add then rmsnorm exactly.
 """
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
 from nanoeuler_ops import rmsnorm
 from nanoeuler_ops.add import check_same_shape
 
@@ -23,10 +23,10 @@ def forward(x, branch, w, *, eps):
     return (s, y), (s, rstd)
 
 
-def backward(dout, saved, x, branch, w, *, eps):
+def backward(dout, saved, x, branch, w, *, eps, into=None):
     ds, dy = dout
     s, rstd = saved
-    dx, dw = rmsnorm.backward(dy, (rstd,), s, w, eps=eps)
+    dx, dw = rmsnorm.backward(dy, (rstd,), s, w, eps=eps, into=(None, into[2]) if into else None)
     if ds is not None:
         dx = dx + ds
     return dx, dx, dw
@@ -39,12 +39,5 @@ def sample_inputs(rng):
         yield Sample((x, branch, w), {"eps": 1e-5}, grad_inputs=(0, 1, 2), name=f"N{n}_C{c}")
 
 
-OP = Op(
-    name="add_rmsnorm",
-    summary="Residual add then RMSNorm, fused: (x + branch, rmsnorm(x + branch))",
-    reference=Impl(forward, backward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.add_rmsnorm", "cuda": "nanoeuler_ops.cuda.add_rmsnorm"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-    precisions={"cuda": ("bf16",)},
-)
+OP = define_op(globals(), "Residual add then RMSNorm, fused: (x + branch, rmsnorm(x + branch))",
+                accumulates=(2,), precisions={"cuda": ("bf16",)})

@@ -22,7 +22,7 @@ This reference builds the full (T, S) score matrix for clarity; the backends nev
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
 
 
 def _grouped(q, kv_heads):
@@ -95,12 +95,5 @@ def sample_inputs(rng):
                      precisions=tuple(precisions))
 
 
-OP = Op(
-    name="attention",
-    summary="Causal softmax attention with grouped key/value heads, queries at the end of the keys",
-    reference=Impl(forward, backward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.attention", "cuda": "nanoeuler_ops.cuda.attention"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-    precisions={"cuda": ("bf16",)},
-)
+OP = define_op(globals(), "Causal softmax attention with grouped key/value heads, queries at the end of the keys",
+                precisions={"cuda": ("bf16",)})

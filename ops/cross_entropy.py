@@ -13,7 +13,7 @@ Backward, with softmax[n, c] = exp(logits[n, c] - lse[n]):
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
 
 IGNORE = -1
 
@@ -55,12 +55,5 @@ def sample_inputs(rng):
         yield Sample((logits, targets), grad_inputs=(0,), name=f"N{n}_V{v}_ignore{ignored}")
 
 
-OP = Op(
-    name="cross_entropy",
-    summary="Per-row softmax cross-entropy; a target of -1 is ignored",
-    reference=Impl(forward, backward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.cross_entropy", "cuda": "nanoeuler_ops.cuda.cross_entropy"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-    precisions={"cuda": ("bf16",)},
-)
+OP = define_op(globals(), "Per-row softmax cross-entropy; a target of -1 is ignored",
+                precisions={"cuda": ("bf16",)})

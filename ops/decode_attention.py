@@ -7,7 +7,7 @@ KV key heads, then KV value heads); k_cache, v_cache (B, S, KV, D), updated in p
 -> o (B, T, H, D); saved (). Attrs: n_kv_heads (KV), theta (the RoPE base).
 
 Token t of row b sits at position p = pos[b] + t. Its query and key are rotated by RoPE at p (as
-nanoeuler_ops/rope.py: rotate half, inv_freq[j] = theta^(-2j/D)); its key and value go to
+nanoeuler_ops/qkv_rope.py: rotate half, inv_freq[j] = theta^(-2j/D)); its key and value go to
 cache[b, p]; its query attends keys 0..p of row b (the row's earlier tokens, cached by earlier
 calls or by this one), query head h reading key/value head h // (H / KV):
 
@@ -21,8 +21,8 @@ depends only on qkv[b, t], p and row b's cache, computed in the same order whate
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
-from nanoeuler_ops.rope import cos_sin
+from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_ops.qkv_rope import cos_sin
 
 
 def check_shapes(qkv, k_cache, v_cache, pos, n_kv_heads):
@@ -79,12 +79,5 @@ def sample_inputs(rng):
                      name=f"B{b}_T{t}_S{s}_H{h}_KV{kv}_D{d}")
 
 
-OP = Op(
-    name="decode_attention",
-    summary="Decoding: RoPE at per-row positions, append to the KV cache, causal attention over it (in place, forward only)",
-    reference=Impl(forward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.decode_attention", "cuda": "nanoeuler_ops.cuda.decode_attention"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-    inplace=(1, 2),
-)
+OP = define_op(globals(), "Decoding: RoPE at per-row positions, append to the KV cache, causal attention over it (in place, forward only)",
+                inplace=(1, 2))

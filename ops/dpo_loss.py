@@ -17,7 +17,7 @@ The reference log-probabilities are constants (the reference model is frozen): n
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
 
 
 def check_pairs(*logprobs):
@@ -51,11 +51,4 @@ def sample_inputs(rng):
                      grad_inputs=(0, 1), name=f"P{p}_beta{beta}")
 
 
-OP = Op(
-    name="dpo_loss",
-    summary="DPO loss per preference pair from policy and reference sequence log-probabilities",
-    reference=Impl(forward, backward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.dpo_loss", "cuda": "nanoeuler_ops.cuda.dpo_loss"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-)
+OP = define_op(globals(), "DPO loss per preference pair from policy and reference sequence log-probabilities")

@@ -7,7 +7,8 @@ unused ids are 0). The ids get no gradient.
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, Tol, define_op
+from nanoeuler_ops import accumulated
 
 
 def check_ids(ids, vocab_size):
@@ -22,10 +23,10 @@ def forward(ids, table):
     return table[ids], ()
 
 
-def backward(dout, saved, ids, table):
+def backward(dout, saved, ids, table, *, into=None):
     dtable = np.zeros_like(table)
     np.add.at(dtable, ids, dout)
-    return None, dtable
+    return accumulated((None, dtable), into)
 
 
 def sample_inputs(rng):
@@ -36,12 +37,5 @@ def sample_inputs(rng):
         yield Sample((ids, table), grad_inputs=(1,), name=f"N{n}_V{v}_C{c}")
 
 
-OP = Op(
-    name="embedding",
-    summary="Token embedding lookup (rows of a table by id)",
-    reference=Impl(forward, backward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.embedding", "cuda": "nanoeuler_ops.cuda.embedding"},
-    tol=Tol(rtol=1e-5, atol=1e-6),
-    precisions={"cuda": ("bf16",)},
-)
+OP = define_op(globals(), "Token embedding lookup (rows of a table by id)",
+                tol=Tol(rtol=1e-5, atol=1e-6), accumulates=(1,), precisions={"cuda": ("bf16",)})

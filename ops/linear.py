@@ -2,17 +2,20 @@
 
 Shapes: x (N, C), w (O, C) -> y (N, O) = x @ w.T; saved ().
 Backward: dx = dy @ w (N, C), dw = dy.T @ x (O, C). In bf16, dw (a parameter's gradient) is float32.
+Both can be added into the caller's arrays (`into`): dw into the gradient buffer, dx into the
+gradient of an input that feeds several products (the model's final hidden state, the K heads).
 """
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_ops import accumulated
 
 
 def forward(x, w):
     return x @ w.T, ()
 
 
-def backward(dy, saved, x, w):
-    return dy @ w, dy.T @ x
+def backward(dy, saved, x, w, *, into=None):
+    return accumulated((dy @ w, dy.T @ x), into)
 
 
 def sample_inputs(rng):
@@ -23,12 +26,5 @@ def sample_inputs(rng):
         yield Sample((x, w), grad_inputs=(0, 1), name=f"N{n}_C{c}_O{o}")
 
 
-OP = Op(
-    name="linear",
-    summary="Matrix product with a transposed weight, y = x @ w.T (no bias)",
-    reference=Impl(forward, backward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.linear", "cuda": "nanoeuler_ops.cuda.linear"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-    precisions={"cuda": ("tf32", "bf16")},
-)
+OP = define_op(globals(), "Matrix product with a transposed weight, y = x @ w.T (no bias)",
+                accumulates=(0, 1), precisions={"cuda": ("tf32", "bf16")})

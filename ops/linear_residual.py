@@ -6,7 +6,7 @@ The Euler steps' updates: r is the stream, x the attention output (w = wo) or th
 activation (w = w_down). Batch-invariant (see norm_linear).
 """
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
 
 
 def check_shapes(x, w, r):
@@ -30,11 +30,4 @@ def sample_inputs(rng):
         yield Sample((x, w, r), name=f"N{n}_I{i}_O{o}")
 
 
-OP = Op(
-    name="linear_residual",
-    summary="Decoding: r + x @ w.T (a residual update), batch-invariant (forward only)",
-    reference=Impl(forward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.linear_residual", "cuda": "nanoeuler_ops.cuda.linear_residual"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-)
+OP = define_op(globals(), "Decoding: r + x @ w.T (a residual update), batch-invariant (forward only)")

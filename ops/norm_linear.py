@@ -14,7 +14,7 @@ The decoder reads the attention's q, k and v projections (w = [wq; wk; wv]) and 
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
 
 
 def check_shapes(x, g, w):
@@ -39,11 +39,4 @@ def sample_inputs(rng):
         yield Sample((x, g, w), {"eps": 1e-5}, name=f"N{n}_C{c}_O{o}")
 
 
-OP = Op(
-    name="norm_linear",
-    summary="Decoding: rmsnorm(x; g) @ w.T in one pass, batch-invariant (forward only)",
-    reference=Impl(forward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.norm_linear", "cuda": "nanoeuler_ops.cuda.norm_linear"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-)
+OP = define_op(globals(), "Decoding: rmsnorm(x; g) @ w.T in one pass, batch-invariant (forward only)")

@@ -12,7 +12,7 @@ decoder passes one view of both.
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
 from nanoeuler_ops.swiglu import forward as swiglu
 
 
@@ -38,11 +38,4 @@ def sample_inputs(rng):
         yield Sample((x, g, w), {"eps": 1e-5}, name=f"N{n}_C{c}_F{f}")
 
 
-OP = Op(
-    name="norm_swiglu",
-    summary="Decoding: silu(h w_gate.T) * (h w_up.T) with h = rmsnorm(x; g), batch-invariant (forward only)",
-    reference=Impl(forward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.norm_swiglu", "cuda": "nanoeuler_ops.cuda.norm_swiglu"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-)
+OP = define_op(globals(), "Decoding: silu(h w_gate.T) * (h w_up.T) with h = rmsnorm(x; g), batch-invariant (forward only)")

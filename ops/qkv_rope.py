@@ -3,8 +3,13 @@
 Shapes: qkv (B, T, (H + 2 KV) D), its columns the query heads, then the key heads, then the value
 heads -> (q (B, T, H, D), k (B, T, KV, D), v (B, T, KV, D)); saved (). Attrs: n_heads (H),
 n_kv_heads (KV), theta, start_pos (the absolute position of token 0, > 0 when decoding after a
-KV cache). q and k are rotated as in ops/rope.py; v is copied.
-Backward: dqkv gathers dq and dk rotated back (sin -> -sin) and dv, in the same column layout.
+KV cache). v is copied; q and k are rotated by RoPE, half-split ("rotate half", as Hugging Face
+Llama): each head vector u (D,) at position t is rotated pairwise, pair j < D/2 made of u[j] and
+u[j + D/2], by the angle t * inv_freq[j], inv_freq[j] = theta^(-2j/D):
+    y[j]       = u[j] cos - u[j + D/2] sin
+    y[j + D/2] = u[j + D/2] cos + u[j] sin
+Backward: a rotation is orthogonal, so dqkv gathers dq and dk rotated back by the negative angle
+(sin -> -sin) and dv, in the same column layout.
 
 The model computes q, k and v with one matrix product against the stacked weights [wq; wk; wv]
 (adjacent in its parameter buffer), so this op is the seam between that product and attention.
@@ -12,8 +17,25 @@ The model computes q, k and v with one matrix product against the stacked weight
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
-from nanoeuler_ops.rope import cos_sin, rotate
+from nanoeuler_core.registry import Sample, define_op
+
+
+def cos_sin(T, D, theta, start_pos):
+    """cos and sin of the RoPE angles of positions start_pos .. start_pos + T - 1, each (T, D/2), in
+    float64 on every backend (so they agree); decode_attention rotates with them too."""
+    if D % 2:
+        raise ValueError(f"rope needs an even head dimension, got {D}")
+    inv_freq = theta ** (-2.0 * np.arange(D // 2) / D)
+    angles = np.arange(start_pos, start_pos + T, dtype=np.float64)[:, None] * inv_freq
+    return np.cos(angles), np.sin(angles)
+
+
+def rotate(x, cos, sin):
+    """x (B, T, H, D) rotated pairwise by the angles whose cos and sin are (T, D/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2): the same angles for every head
+    return np.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)
 
 
 def _heads(qkv, n_heads, n_kv_heads):
@@ -55,12 +77,5 @@ def sample_inputs(rng):
                      grad_inputs=(0,), name=f"B{b}_T{t}_H{h}_KV{kv}_D{d}_p{start_pos}")
 
 
-OP = Op(
-    name="qkv_rope",
-    summary="Split a fused q/k/v projection into heads; rotary position embedding of q and k",
-    reference=Impl(forward, backward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.qkv_rope", "cuda": "nanoeuler_ops.cuda.qkv_rope"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-    precisions={"cuda": ("bf16",)},
-)
+OP = define_op(globals(), "Split a fused q/k/v projection into heads; rotary position embedding of q and k",
+                precisions={"cuda": ("bf16",)})

@@ -8,7 +8,8 @@ Backward, with xhat = x * rstd:
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_ops import accumulated
 
 
 def forward(x, w, *, eps):
@@ -16,13 +17,13 @@ def forward(x, w, *, eps):
     return x * rstd[:, None] * w, (rstd,)
 
 
-def backward(dy, saved, x, w, *, eps):
+def backward(dy, saved, x, w, *, eps, into=None):
     (rstd,) = saved
     xhat = x * rstd[:, None]
     dw = np.sum(dy * xhat, axis=0)
     dxhat = dy * w
     dx = rstd[:, None] * (dxhat - xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True))
-    return dx, dw
+    return accumulated((dx, dw), into)
 
 
 def sample_inputs(rng):
@@ -32,12 +33,5 @@ def sample_inputs(rng):
         yield Sample((x, w), {"eps": 1e-5}, grad_inputs=(0, 1), name=f"N{n}_C{c}")
 
 
-OP = Op(
-    name="rmsnorm",
-    summary="RMSNorm over the last axis with a learned scale",
-    reference=Impl(forward, backward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.rmsnorm", "cuda": "nanoeuler_ops.cuda.rmsnorm"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-    precisions={"cuda": ("bf16",)},
-)
+OP = define_op(globals(), "RMSNorm over the last axis with a learned scale",
+                accumulates=(1,), precisions={"cuda": ("bf16",)})

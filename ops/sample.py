@@ -37,7 +37,7 @@ thus depends only on its own seed, logits and tokens, never on the batch around 
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
 
 STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
 MAX_SEED = 2**62   # seeds lie in [0, MAX_SEED)
@@ -169,12 +169,5 @@ def sample_inputs(rng):
                      name=f"B{b}_T{t}_K{k}_V{v}_t{temperature}")
 
 
-OP = Op(
-    name="sample",
-    summary="Decoding: draw next tokens; verify speculative proposals (speculative sampling), counter-based RNG",
-    reference=Impl(forward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.sample", "cuda": "nanoeuler_ops.cuda.sample"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-    inplace=(1, 2, 4, 5),
-)
+OP = define_op(globals(), "Decoding: draw next tokens; verify speculative proposals (speculative sampling), counter-based RNG",
+                inplace=(1, 2, 4, 5))

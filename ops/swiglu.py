@@ -9,7 +9,7 @@ Backward: dx = [dgate | dup], dgate = dy * up * s * (1 + gate * (1 - s)), dup = 
 
 import numpy as np
 
-from nanoeuler_core.registry import Impl, Op, Sample, Tol
+from nanoeuler_core.registry import Sample, define_op
 
 
 def _sigmoid(z):
@@ -41,12 +41,4 @@ def sample_inputs(rng):
         yield Sample((np.concatenate((gate, up), axis=1),), grad_inputs=(0,), name=f"N{n}_F{f}")
 
 
-OP = Op(
-    name="swiglu",
-    summary="SwiGLU gating silu(gate) * up of x = [gate | up]",
-    reference=Impl(forward, backward),
-    sample_inputs=sample_inputs,
-    backends={"cpu": "nanoeuler_ops.cpu.swiglu", "cuda": "nanoeuler_ops.cuda.swiglu"},
-    tol=Tol(rtol=1e-4, atol=1e-5),
-    precisions={"cuda": ("bf16",)},
-)
+OP = define_op(globals(), "SwiGLU gating silu(gate) * up of x = [gate | up]", precisions={"cuda": ("bf16",)})

@@ -1,13 +1,25 @@
-"""The engine commands as a user runs them: `nanoeuler-run ops`, `gradcheck` and `bench`."""
+"""Commands as a user runs them: `nanoeuler-run ops`, `gradcheck` and `bench`; the errors of
+`generate`, `chat` and `sft` a user can cause (one line on stderr, exit status 1, nothing on stdout)."""
 
+import json
 import subprocess
 import sys
 
+import pytest
+
 from nanoeuler_core import registry
+from finetune_helpers import make_base_run
 
 
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "nanoeuler_core.cli", *args], capture_output=True, text=True, timeout=600)
+def run(*args, input=None):
+    return subprocess.run([sys.executable, "-m", "nanoeuler_core.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=600, input=input)
+
+
+def assert_one_line_error(result, message):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
+        result.stderr
 
 
 def test_ops_lists_every_op_with_backends_and_package():
@@ -56,3 +68,57 @@ def test_bench_errors_are_one_line(tmp_path):
         result = run("bench", *args)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 1 and len(lines) == 1 and message in lines[0], (args, result.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# generate, chat, sft
+
+
+@pytest.fixture
+def base_run(tmp_path, tok):
+    return make_base_run(tmp_path / "run", tok)  # a context of 96 tokens
+
+
+def test_generate_refuses_a_prompt_longer_than_the_context_before_printing_it(base_run):
+    result = run("generate", base_run, "It was the best of times. " * 40)
+    assert result.stdout == ""
+    assert_one_line_error(result, "longer than the model's context of 96 tokens")
+
+
+def test_chat_template_errors_are_one_line(base_run, tmp_path):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }")
+    no_system = tmp_path / "no_system.jinja"
+    no_system.write_text("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    one_turn = tmp_path / "one_turn.jinja"
+    one_turn.write_text("{% if messages | length > 1 %}{{ raise_exception('one turn only') }}{% endif %}"
+                        "Q: {{ messages[0]['content'] }}\nA:")
+    chat = ("chat", base_run, "--temperature", "0", "--max-new-tokens", "3")
+    cases = [
+        ((*chat, "--template", tmp_path / "missing.jinja"), f"chat template file {tmp_path}/missing.jinja not found"),
+        ((*chat, "--template", broken), f"{broken} is not a valid Jinja template (line 1: "),
+        ((*chat, "--template", no_system, "--system", "Be brief."),
+         "refused the conversation: System role not supported"),
+        ((*chat, "--template", "alpaca", "--system", "Be brief."), "the Alpaca template has none"),
+        ((*chat, "--system", "Be brief."), "has no chat template, so no system message: pass --template"),
+        (("sft", "--base", base_run, "--out", tmp_path / "sft", "--template", broken), "is not a valid Jinja template"),
+    ]
+    for args, message in cases:
+        result = run(*args, input="Hi\n")
+        assert result.stdout == "", (args, result.stdout)
+        assert_one_line_error(result, message)
+    assert not (tmp_path / "sft").exists()
+
+    # a template that refuses the conversation later, when the second message comes
+    result = run(*chat, "--template", one_turn, input="Hi\nAgain\n")
+    assert result.returncode == 1 and result.stdout.count("\n") == 1  # the first reply
+    assert result.stderr.strip().splitlines()[-1] == f"error: {one_turn} refused the conversation: one turn only"
+    assert "Traceback" not in result.stderr
+
+
+def test_a_run_fine_tuned_in_an_unknown_template_is_one_line(base_run):
+    config = json.loads((base_run / "config.json").read_text())
+    config["training"]["template"] = "vicuna"
+    (base_run / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(run("chat", base_run, input="Hi\n"), "fine-tuned with template 'vicuna'")

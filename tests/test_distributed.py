@@ -22,7 +22,8 @@ from nanoeuler_core.corpus.tokens import BatchLoader
 from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.gradcheck import tiny_config
 from nanoeuler_core.engine.model import Model
-from nanoeuler_core.engine.optim import AdamW, TrainStep
+from nanoeuler_core.engine.optim import AdamW
+from nanoeuler_core.training.step import TrainStep
 from nanoeuler_core.training import dpo, sft
 from nanoeuler_core.training import pretrain as train
 from finetune_helpers import make_base_run, write_jsonl
@@ -79,6 +80,58 @@ def test_micro_batches_equal_one_batch(backend):
     (whole, w_whole), (split, w_split) = results
     np.testing.assert_allclose(split, whole, rtol=1e-6 if backend != "reference" else 1e-12)
     assert relative_difference(w_split, w_whole) < (1e-6 if backend != "reference" else 1e-12)
+
+
+class RecordingCollectives:
+    """Stands in for rank 0 of `size` ranks: records which slice of the gradient buffer each
+    started collective covers (and whether the backward was still running), sums nothing."""
+
+    rank = 0
+
+    def __init__(self, model, size):
+        self.model, self.size, self.calls, self.backward_done = model, size, [], False
+
+    def _record(self, kind, buf, root=None):
+        offset = (buf.__array_interface__["data"][0] - self.model.grad_flat.__array_interface__["data"][0])
+        lo = offset // buf.itemsize
+        self.calls.append((kind, lo, lo + buf.size, root, self.backward_done))
+
+    def all_reduce_sum_async(self, buf):
+        self._record("all-reduce", buf)
+
+    def reduce_sum_async(self, buf, root):
+        self._record("reduce", buf, root)
+
+    def wait(self):
+        self.calls.append(("wait",))
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["all-reduce", "zero-1"])
+def test_gradient_sums_start_during_the_backward_in_buckets_covering_every_gradient(zero):
+    from nanoeuler_core.engine.optim import GradientSync
+
+    cfg = tiny_config()
+    model = Model(cfg, backend="cpu")
+    comm = RecordingCollectives(model, size=2)
+    sync = GradientSync(model, comm, zero, bucket=60)   # a few tensors per bucket
+    batch = model.prepare(*np.ones((2, 2, cfg.ctx_len), dtype=np.int64))
+    sync.begin()
+    model.forward_backward(batch, grads_ready=sync.ready)
+    comm.backward_done = True
+    sync.finish()
+    *sums, last = comm.calls
+    assert last == ("wait",)
+    assert sum(not done for *_, done in sums) >= 3, "the sums should start while the backward still runs"
+    covered = sorted((lo, hi) for _, lo, hi, _, _ in sums)
+    assert covered[0][0] == 0 and covered[-1][1] == model.n_params
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), "every gradient summed exactly once"
+    heads, _ = model.layout["heads.0"]
+    assert sums[0][1] >= heads, "the heads' gradients are final first"
+    per_rank = model.n_params // 2
+    for kind, lo, hi, root, _ in sums:
+        assert kind == ("reduce" if zero else "all-reduce")
+        if zero:   # each part goes to the rank that owns it, never across two shards
+            assert root == lo // per_rank == (hi - 1) // per_rank
 
 
 def test_loaders_split_a_step_into_micro_batches(tok):

@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from nanoeuler_core import Model, ModelConfig
-from nanoeuler_core.engine.optim import AdamW, TrainStep
+from nanoeuler_core.engine.optim import AdamW
+from nanoeuler_core.training.step import TrainStep
 from nanoeuler_core.inference.decode import DecodeStats, Decoder, Sampling, decoder_for
 from nanoeuler_core.inference.generate import generate, generate_batch
 from nanoeuler_ops.sample import warped

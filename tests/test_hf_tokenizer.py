@@ -100,25 +100,31 @@ def test_special_tokens_only_when_allowed_but_plain_added_tokens_always(pairs):
     assert ours.decode(ids) == text
 
 
-def unordered_merges_document() -> dict:
+def unordered_merges_document(missing: tuple[int, ...] = (), unk: str | None = None, fuse_unk: bool = False,
+                               use_regex: bool = True) -> dict:
     """Merges that use a token before the merge making it ("ab a" before "a b") and make one
     token twice ("abc" from "ab c" and "a bc"), which trained merge lists never do: Hugging
-    Face's queue then departs from a strict rank order, and its answer is the one to reproduce."""
+    Face's queue then departs from a strict rank order, and its answer is the one to reproduce.
+    The bytes in `missing` get no vocabulary entry (ids stay contiguous); `unk` names an unknown token;
+    without `use_regex` the whole text is one pretoken."""
     from nanoeuler_core.text.tokenizer import BYTE_TO_CHAR
 
-    vocab = {char: i for i, char in enumerate(BYTE_TO_CHAR)}
+    vocab = {char: i for i, char in enumerate(c for b, c in enumerate(BYTE_TO_CHAR) if b not in missing)}
     merges = ["ab a", "b c", "a b", "bc a", "c ab", "ab c", "a bc", "ca b", "aba b", "c a", "abc abc", "a a",
               "aa a", "a aa", "b ca"]
     for merge in merges:
         vocab.setdefault(merge.replace(" ", ""), len(vocab))
+    if unk is not None:
+        vocab[unk] = len(vocab)
     vocab["</s>"] = len(vocab)
     return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
             "added_tokens": [{"id": vocab["</s>"], "content": "</s>", "special": True, "normalized": False,
                               "single_word": False, "lstrip": False, "rstrip": False}],
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                              "use_regex": use_regex},
             "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+            "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": fuse_unk, "byte_fallback": False,
                       "ignore_merges": False, "vocab": vocab, "merges": merges}}
 
 
@@ -196,8 +202,9 @@ def _tampered(document: dict, change: str) -> dict:
         document["model"]["byte_fallback"] = True
     elif change == "gap in ids":
         document["added_tokens"][0]["id"] = len(document["model"]["vocab"]) + 5
-    elif change == "missing byte":
-        document["model"]["vocab"]["<nul>"] = document["model"]["vocab"].pop("Ā")
+    elif change == "unknown unk":
+        document["model"]["vocab"]["<nul>"] = document["model"]["vocab"].pop("Ā")  # byte 0 has no entry
+        document["model"]["unk_token"] = "<nope>"
     return document
 
 
@@ -211,7 +218,7 @@ def _tampered(document: dict, change: str) -> dict:
     ("lstrip", "sets lstrip on added token '</s>'"),
     ("byte fallback", "sets model.byte_fallback"),
     ("gap in ids", "has no token with id"),
-    ("missing byte", "has no vocabulary entry for byte 0x00"),
+    ("unknown unk", "names unk_token '<nope>', which is not in its vocabulary"),
 ])
 def test_unsupported_files_are_refused_in_one_line(change, message, tmp_path):
     path = tmp_path / "tokenizer.json"
@@ -219,3 +226,93 @@ def test_unsupported_files_are_refused_in_one_line(change, message, tmp_path):
     with pytest.raises(TokenizerError) as error:
         Tokenizer.load(path)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Vocabularies without some byte tokens (a real 135M instruct model's tokenizer lacks these bytes,
+# which never or hardly ever occur in UTF-8 text): `tokenizers` drops them when encoding, and so must we.
+
+MISSING = (4, 6, 19, 20, 22, 29, 192, 193, *range(241, 256))
+# Characters whose UTF-8 holds a missing byte: control characters, and code points from U+40000 on
+# (their lead byte is F1-F4): unassigned planes, tags, variation selectors, private use.
+MISSING_CHARS = "\x04\x06\x13\x14\x16\x1d\U00040000\U00080000\U000e0001\U000e0100\U000f0000\U00100000\U0010fffd"
+
+
+@pytest.fixture(scope="module")
+def gappy():
+    """(Hugging Face tokenizer, ours) of a SmolLM2-like vocabulary trained by `tokenizers` without those bytes."""
+    from nanoeuler_core.text.tokenizer import BYTE_TO_CHAR
+
+    hf = tokenizers.Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre.Sequence([pre.Digits(individual_digits=True), pre.ByteLevel(add_prefix_space=False)])
+    hf.decoder = decoders.ByteLevel()
+    alphabet = [BYTE_TO_CHAR[b] for b in range(256) if b not in MISSING]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  show_progress=False, initial_alphabet=alphabet)
+    hf.train_from_iterator([CORPUS, _extra_text(0)], trainer)
+    assert sorted(c for c in alphabet if c not in hf.get_vocab()) == []
+    return hf, Tokenizer.from_hf_json(json.loads(hf.to_str()))
+
+
+def test_a_vocabulary_without_some_bytes_loads_and_drops_them_as_hugging_face_does(gappy, tmp_path):
+    hf, ours = gappy
+    assert isinstance(ours, HFTokenizer) and ours.missing_bytes == MISSING
+    assert ours.encode("a\x04b") == hf.encode("a\x04b").ids == ours.encode("ab")[:1] + ours.encode("b")  # ["a", "b"]
+    text = CORPUS[:20_000] + _extra_text(2) + MISSING_CHARS * 3
+    ids = ours.encode(text)
+    assert ids == hf.encode(text, add_special_tokens=False).ids
+    kept = bytes(b for b in text.encode() if b not in MISSING)
+    assert ours.decode_bytes(ids) == b"".join(map(ours.token_bytes, ids)) == kept
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=False) == kept.decode("utf-8", "replace")
+    assert ours.decode(ours.encode(CORPUS[:20_000])) == CORPUS[:20_000]  # text of bytes it has round-trips
+    ours.save(tmp_path / "tokenizer.json")
+    assert Tokenizer.load(tmp_path / "tokenizer.json").encode(text) == ids
+
+
+gappy_texts = st.lists(
+    st.one_of(st.text(st.sampled_from(MISSING_CHARS + TRICKY + "ab.,"), max_size=8),
+              st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
+              st.text(st.characters(exclude_categories=("Cs", "Cn")), max_size=8)),
+    max_size=10,
+).map("".join)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=gappy_texts)
+def test_without_some_bytes_same_ids_as_hugging_face_on_random_text(gappy, text):
+    hf, ours = gappy
+    ids = ours.encode(text, allowed_special="all")
+    assert ids == hf.encode(text, add_special_tokens=False).ids
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=False)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=40))
+def test_without_some_bytes_any_bytes_come_back_less_the_missing_ones(gappy, data):
+    _, ours = gappy
+    assert ours.decode_bytes(ours.encode_bytes(data)) == bytes(b for b in data if b not in MISSING)
+
+
+@pytest.fixture(scope="module", params=[(None, False), ("<unk>", False), ("<unk>", True)],
+                ids=["dropped", "unk", "fused unk"])
+def gappy_merges(request):
+    """Hand-made merges over a vocabulary lacking bytes 0x04 and 0x2e ("."), the whole text one pretoken:
+    those bytes are dropped (merges join their neighbours), or become the unknown token."""
+    unk, fuse = request.param
+    document = unordered_merges_document(missing=(0x04, 0x2E), unk=unk, fuse_unk=fuse, use_regex=False)
+    return tokenizers.Tokenizer.from_str(json.dumps(document)), Tokenizer.from_hf_json(document)
+
+
+def test_merges_join_the_neighbours_of_a_dropped_byte(gappy_merges):
+    hf, ours = gappy_merges
+    for text in ("a.b", "a\x04b", ".", "x..\x04.y", "ab.\x04.ab"):
+        assert ours.encode(text) == hf.encode(text).ids, text
+    if "<unk>" not in hf.get_vocab():  # "." dropped: "a b" merges across it
+        assert ours.encode("a.b") == [hf.token_to_id("ab")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(st.sampled_from("abc.\x04!? "), max_size=24))
+def test_gappy_merges_same_ids_as_hugging_face(gappy_merges, text):
+    hf, ours = gappy_merges
+    assert ours.encode(text) == hf.encode(text).ids

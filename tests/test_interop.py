@@ -3,6 +3,7 @@ tokens and chat prompts; tiny random Llama checkpoints made by transformers impo
 logits, export back to the same tensors, and fine-tune; what cannot be represented is refused in
 one line."""
 
+import io
 import json
 import shutil
 import sys
@@ -14,9 +15,11 @@ import pytest
 
 from nanoeuler_core.cli import main
 from nanoeuler_core.engine.config import ModelConfig
-from nanoeuler_core.engine.model import Model
-from nanoeuler_core.inference.chat import render
+from nanoeuler_core.inference.model import Model
+from nanoeuler_core.inference.chat import chat, render
+from nanoeuler_core.inference.generate import generate
 from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.inference.template import ChatTemplate, TemplateError
 from nanoeuler_core.interop import hf
 from nanoeuler_core.interop.hf import read_safetensors
 from nanoeuler_core.text.tokenizer import Tokenizer
@@ -143,7 +146,7 @@ def test_transformers_greedy_generation_produces_our_tokens(exported):
         generated = theirs.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, top_k=None,
                                     temperature=None, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id)
     assert generated[0, len(ids):].tolist() == ours
-    text = model.generate(tok, prompt, max_new_tokens=40, temperature=0.0)
+    text = generate(model, tok, prompt, max_new_tokens=40, temperature=0.0)
     assert text == tok.decode([t for t in ours if t != tok.eos_id])
 
 
@@ -178,28 +181,36 @@ def test_export_then_import_restores_every_head(exported, tmp_path):
 # import
 
 
-@pytest.fixture(scope="module")
-def smol_tokenizer():
-    """A SmolLM2-like tokenizer (digits split, specials first) trained by `tokenizers`."""
+def train_smol_tokenizer(missing: tuple[int, ...] = ()) -> "tokenizers.Tokenizer":
+    """A SmolLM2-like tokenizer (digits split, specials first) trained by `tokenizers`, without
+    vocabulary entries for the bytes in `missing`."""
     from tokenizers import decoders, models, trainers
     from tokenizers import pre_tokenizers as pre
+
+    from nanoeuler_core.text.tokenizer import CHAR_TO_BYTE
 
     hf_tok = tokenizers.Tokenizer(models.BPE())
     hf_tok.pre_tokenizer = pre.Sequence([pre.Digits(individual_digits=True), pre.ByteLevel(add_prefix_space=False)])
     hf_tok.decoder = decoders.ByteLevel()
+    alphabet = [char for char in pre.ByteLevel.alphabet() if CHAR_TO_BYTE[char] not in missing]
     trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre.ByteLevel.alphabet(), show_progress=False)
+                                  initial_alphabet=alphabet, show_progress=False)
     hf_tok.train_from_iterator([CORPUS[:200_000]], trainer)
     return hf_tok
 
 
-def tiny_llama(folder: Path, hf_tok, tied: bool) -> Path:
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    return train_smol_tokenizer()
+
+
+def tiny_llama(folder: Path, hf_tok, tied: bool, positions: int = 64) -> Path:
     """A random Llama checkpoint directory written by transformers itself, with a tokenizer. The
     tied one is laid out like SmolLM2 (tied embeddings, rope_theta 100000, bfloat16 weights, its
     extra config keys) and sharded; the untied one is float32 in one file."""
     torch.manual_seed(0)
     settings = dict(vocab_size=hf_tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=100000.0,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions, rope_theta=100000.0,
                     rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
     if tied:
         settings |= dict(is_llama_config=True, rope_interleaved=False, pretraining_tp=1)
@@ -353,3 +364,160 @@ def test_cli_export_and_import(exported, tmp_path, monkeypatch, capsys):
     assert orjson.loads((tmp_path / "hf" / "config.json").read_bytes())["max_position_embeddings"] == 64
     code, _, err = run_cli(monkeypatch, capsys, "export", tmp_path / "run", tmp_path / "hf")
     assert code == 1 and "already holds a model" in err
+
+
+# ------------------------------------------------------------------------------------------------
+# an instruct model made elsewhere: a tokenizer without some byte tokens, its own chat template
+
+# The bytes a real 135M instruct model's tokenizer has no token for (never or hardly ever in UTF-8 text).
+MISSING = (4, 6, 19, 20, 22, 29, 192, 193, *range(241, 256))
+# SmolLM2-Instruct's template (ChatML, a default system message).
+SMOL_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# What transformers' renderer adds to plain Jinja: trim_blocks, lstrip_blocks, loop controls, the
+# namespace, raise_exception, strftime_now, tojson without HTML escaping, `tools` set to None, the
+# {% generation %} tag.
+KITCHEN_SINK_TEMPLATE = """{{- bos_token }}
+{%- if tools is not none %}{{ raise_exception('tools are not supported') }}{% endif %}
+{%- set ns = namespace(system='You are terse. Year ' + strftime_now('%Y') + '.') %}
+{%- for message in messages %}
+    {%- if message['role'] == 'system' %}
+        {%- set ns.system = message['content'] %}
+        {%- continue %}
+    {%- endif %}
+    {%- if message['role'] not in ['user', 'assistant'] %}
+        {{- raise_exception('Unknown role: ' + message['role']) }}
+    {%- endif %}
+    {%- if loop.index0 <= 1 and not ns.done %}
+<|im_start|>system
+{{ ns.system }} {{ {'turns': messages | length, 'last': messages[-1]['content']} | tojson }}<|im_end|>
+        {%- set ns.done = true %}
+    {%- endif %}
+<|im_start|>{{ message['role'] }}
+    {% if message['role'] == 'assistant' %}
+{% generation %}{{ message['content'] | trim }}<|im_end|>{% endgeneration %}
+    {% else %}
+{{ message['content'] | trim }}<|im_end|>
+    {% endif %}
+
+{% endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+CHATS = CONVERSATIONS + [
+    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "naïve <b> & 'quotes' \"too\""}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "  Hello.  "}, {"role": "user", "content": "Sum 2 and 3\x04."}],
+]
+INSTRUCT_CONFIG = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                   "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>", "model_max_length": 8192,
+                   "chat_template": SMOL_TEMPLATE}
+
+
+@pytest.fixture(scope="module")
+def instruct(tmp_path_factory):
+    """(transformers directory, our run imported from it): an instruct model whose tokenizer has no
+    token for the bytes in MISSING, chatting in ChatML."""
+    folder = tmp_path_factory.mktemp("instruct")
+    source = tiny_llama(folder / "hf", train_smol_tokenizer(MISSING), tied=True, positions=256)
+    (source / "tokenizer_config.json").write_text(json.dumps(INSTRUCT_CONFIG))
+    hf.import_checkpoint(source, folder / "run", log=lambda msg: None)
+    return source, folder / "run"
+
+
+def test_an_instruct_model_without_some_byte_tokens_imports(instruct, tmp_path, monkeypatch, capsys):
+    source, run = instruct
+    code, _, err = run_cli(monkeypatch, capsys, "import", source, tmp_path / "run")
+    assert code == 0 and "no token for 23 bytes (0x04, 0x06, 0x13," in err and "chats in its own template" in err
+    model, tok = load_model(run)
+    assert tok.missing_bytes == MISSING and tok.eos_id == tok.token_id("<|im_end|>")
+    theirs = transformers.AutoTokenizer.from_pretrained(source)
+    text = CORPUS[:3000] + "a\x04b \x06\x13\x14\x16\x1d naïve \U000e0001\U000f0000\U00100000 end"
+    ids = tok.encode(text)
+    assert ids == theirs(text, add_special_tokens=False)["input_ids"] == \
+        tokenizers.Tokenizer.from_file(str(source / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert tok.encode("a\x04b") == tok.encode("a") + tok.encode("b")  # the byte is dropped, as tokenizers does
+    kept = bytes(b for b in text.encode() if b not in MISSING)
+    assert b"".join(map(tok.token_bytes, ids)) == kept
+    assert tok.decode(ids) == theirs.decode(ids) == kept.decode("utf-8", "replace")
+    assert generate(model, tok, "Hi\x04 there", max_new_tokens=4, temperature=0.0) is not None
+
+
+def test_imported_chat_template_renders_as_transformers_does(instruct):
+    source, run = instruct
+    template = ChatTemplate.for_run(run)
+    assert template.source == SMOL_TEMPLATE and template.special_tokens["bos_token"] == "<|im_start|>"
+    _, tok = load_model(run)
+    theirs = transformers.AutoTokenizer.from_pretrained(source)
+    chat_tok = template.tokenizer(tok)
+    for messages in CHATS:
+        assert template.render(messages) == theirs.apply_chat_template(messages, tokenize=False,
+                                                                       add_generation_prompt=True)
+        for source_text in (SMOL_TEMPLATE, KITCHEN_SINK_TEMPLATE):
+            ours = ChatTemplate(source_text, template.special_tokens)
+            for generation_prompt in (True, False):
+                rendered = theirs.apply_chat_template(messages, chat_template=source_text, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+                assert ours.render(messages, add_generation_prompt=generation_prompt) == rendered
+            assert chat_tok.encode(rendered) == theirs(rendered, add_special_tokens=False)["input_ids"]
+    with pytest.raises(TemplateError, match="refused the conversation: Unknown role: tool"):
+        ChatTemplate(KITCHEN_SINK_TEMPLATE).render([{"role": "tool", "content": "x"}])
+    with pytest.raises(Exception, match="Unknown role: tool"):
+        theirs.apply_chat_template([{"role": "tool", "content": "x"}], chat_template=KITCHEN_SINK_TEMPLATE,
+                                   tokenize=False)
+
+
+def test_an_imported_instruct_model_chats_in_its_template_up_to_its_end_of_turn(instruct, monkeypatch, capsys):
+    _, run = instruct
+    model, tok = load_model(run)
+    template = ChatTemplate.for_run(run)
+    assert template.stop_tokens(tok) == ["<|im_end|>"] and template.tokenizer(tok).eos_id == tok.token_id("<|im_end|>")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    reply = chat(model, tok, messages, max_new_tokens=6, temperature=0.0, template=template)
+    prompt = template.render(messages)
+    assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n") and prompt.endswith("<|im_start|>assistant\n")
+    assert reply == generate(model, template.tokenizer(tok), prompt, max_new_tokens=6, temperature=0.0)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
+    code, stdout, err = run_cli(monkeypatch, capsys, "chat", run, "--temperature", "0", "--max-new-tokens", "6",
+                                "--system", "Be brief.")
+    assert code == 0 and stdout == reply + "\n" and "chat template of" in err
+
+
+def test_an_imported_instruct_model_exports_and_fine_tunes_in_its_template(instruct, tmp_path):
+    source, run = instruct
+    hf.export_run(run, tmp_path / "hf", log=lambda msg: None)
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert exported.bos_token == "<|im_start|>" and exported.eos_token == "<|im_end|>"
+    for messages in CHATS:
+        assert exported.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            ChatTemplate.for_run(run).render(messages)
+
+    examples = tmp_path / "tasks.jsonl"
+    examples.write_text("".join(json.dumps({"instruction": f"Add {a} and {a + 1}.", "output": str(2 * a + 1)}) + "\n"
+                                for a in range(10)))
+    tc = sft.fine_tune_config(run, steps=1, batch_size=2, val_fraction=0.0)
+    fine, _ = sft.start_sft(run, examples, tmp_path / "sft", tc, lambda msg: None)
+    _, tok = load_model(run)
+    template = ChatTemplate.for_run(run)
+    first = sft.load_examples(examples)[0]
+    prompt = exported.apply_chat_template([{"role": "user", "content": first.instruction}], tokenize=False,
+                                          add_generation_prompt=True)
+    sequence = fine.train_loader.sequences[0]
+    expected = exported(prompt, add_special_tokens=False)["input_ids"] + tok.encode(first.output) + \
+        [tok.token_id("<|im_end|>")]
+    assert sequence.ids.tolist() == expected and sequence.n_prompt == len(expected) - len(tok.encode(first.output)) - 1
+    assert json.loads((tmp_path / "sft" / "config.json").read_text())["training"]["template"] == "chat_template"
+    assert ChatTemplate.for_run(tmp_path / "sft").source == template.source == SMOL_TEMPLATE
+
+
+def test_a_broken_chat_template_does_not_stop_the_import(good_checkpoint, tmp_path, monkeypatch, capsys):
+    source = Path(shutil.copytree(good_checkpoint, tmp_path / "hf"))
+    # chat_template.jinja comes before tokenizer_config.json's, as in transformers
+    (source / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }")
+    code, _, err = run_cli(monkeypatch, capsys, "import", source, tmp_path / "run")
+    assert code == 0 and "warning: the chat template is not carried over" in err
+    assert "chat_template.jinja is not a valid Jinja template (line 1" in err
+    assert ChatTemplate.for_run(tmp_path / "run") is None

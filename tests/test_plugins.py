@@ -20,7 +20,8 @@ REAL_ENTRY_POINTS = importlib.metadata.entry_points
 
 # What a plugin that ships its own "rmsnorm" would register.
 PLUGIN_RMSNORM = Op(name="rmsnorm", summary="a plugin's own RMSNorm", reference=rmsnorm.OP.reference,
-                    sample_inputs=rmsnorm.OP.sample_inputs, backends={"cpu": "nanoeuler_ops.cpu.rmsnorm"})
+                    sample_inputs=rmsnorm.OP.sample_inputs)
+BUILTIN_OPS = {op.name for op in __import__("nanoeuler_ops").OPS}
 
 
 class FakeEntryPoint:
@@ -36,8 +37,9 @@ class FakeEntryPoint:
         return importlib.metadata.EntryPoint(self.name, self.value, self.group).load()
 
 
-def builtin_op_entry_point(name):
-    (ep,) = [ep for ep in REAL_ENTRY_POINTS(group=OPS_GROUP) if ep.name == name]
+def builtin_op_entry_point():
+    """The entry point of nanoeuler's own ops (the ops package lists them all)."""
+    (ep,) = [ep for ep in REAL_ENTRY_POINTS(group=OPS_GROUP) if ep.value == "nanoeuler_ops:OPS"]
     return ep
 
 
@@ -62,7 +64,7 @@ def test_gelu_plugin_is_registered_from_its_package():
     ops = registry.ops()
     assert "gelu" in ops, "the gelu plugin is not installed: pip install -e plugins/nanoeuler-gelu"
     assert ops["gelu"].source == "nanoeuler-gelu"
-    assert ops["gelu"].backends == {"cpu": "nanoeuler_gelu.cpu"}
+    assert ops["gelu"].backends == {"reference": "nanoeuler_gelu.gelu", "cpu": "nanoeuler_gelu.cpu.gelu"}
 
 
 @pytest.mark.parametrize("value, error", [
@@ -70,10 +72,10 @@ def test_gelu_plugin_is_registered_from_its_package():
     ("nanoeuler_ops.rmsnorm:forward", "TypeError: entry point must name an nanoeuler_core.registry.Op"),
 ], ids=["fails_to_import", "not_an_op"])
 def test_broken_plugin_is_skipped_with_a_warning(op_entry_points, value, error):
-    op_entry_points(builtin_op_entry_point("rmsnorm"), FakeEntryPoint("broken", value, "nanoeuler-broken"))
+    op_entry_points(builtin_op_entry_point(), FakeEntryPoint("broken", value, "nanoeuler-broken"))
     reg = Registry()
     with pytest.warns(RuntimeWarning, match=f"entry point 'broken' from package 'nanoeuler-broken': {error}"):
-        assert set(reg.ops()) == {"rmsnorm"}
+        assert set(reg.ops()) == BUILTIN_OPS
     assert_rmsnorm_runs_on_cpu(reg)
 
 
@@ -81,7 +83,7 @@ def test_broken_plugin_is_skipped_with_a_warning(op_entry_points, value, error):
 def test_plugin_reusing_a_registered_name_is_skipped_with_a_warning(op_entry_points, plugin_listed_first):
     # importlib.metadata lists distributions in sys.path order, so a plugin may come first: the
     # built-in op must win either way, and the warning must blame the plugin.
-    builtin = builtin_op_entry_point("rmsnorm")
+    builtin = builtin_op_entry_point()
     clone = FakeEntryPoint("rmsnorm", f"{__name__}:PLUGIN_RMSNORM", "nanoeuler-rmsnorm-clone")
     op_entry_points(*((clone, builtin) if plugin_listed_first else (builtin, clone)))
     reg = Registry()

@@ -11,7 +11,8 @@ import pytest
 
 from nanoeuler_core import Model, ModelConfig
 from nanoeuler_core.engine.gradcheck import MODEL_PRECISION_BOUND, check_model_backend, tiny_batch, tiny_config
-from nanoeuler_core.engine.optim import AdamW, TrainStep
+from nanoeuler_core.engine.optim import AdamW
+from nanoeuler_core.training.step import TrainStep
 from nanoeuler_core.training.pretrain import TrainConfig
 
 

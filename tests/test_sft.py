@@ -10,8 +10,10 @@ from typer.testing import CliRunner
 
 from nanoeuler_core.training import sft
 from nanoeuler_core.engine.checkpoint import read_json
+from nanoeuler_core.inference.template import ChatTemplate
+from nanoeuler_core.text.tokenizer import Tokenizer
 from nanoeuler_core.engine.config import ModelConfig
-from nanoeuler_core.engine.model import Model
+from nanoeuler_core.inference.model import Model
 from nanoeuler_core.training.sft import Example, collate, encode_example, load_examples, render_prompt
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_data import make_tasks
@@ -208,3 +210,44 @@ def test_sft_bad_input(tmp_path, tok):
         assert "\n" not in str(result.exception)
         assert re.search(message, str(result.exception)), str(result.exception)
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# other chat templates
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_examples_in_a_jinja_template_end_with_its_end_of_turn_token():
+    specials = ["</s>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer.train("".join(render_prompt(t["instruction"]) + t["output"] for t in TASKS * 20), 300,
+                          special_tokens=specials)
+    template = ChatTemplate(CHATML)
+    examples = [Example(t["instruction"], "", t["output"]) for t in TASKS] + [Example("Add.", "2 3", "5")]
+    sequences, _ = sft.encode_examples(tok, examples, 96, template)
+    for e, seq in zip(examples, sequences):
+        prompt = template.render([{"role": "user", "content": e.instruction + (f"\n\n{e.input}" if e.input else "")}])
+        prompt_ids = tok.encode(prompt, allowed_special="all")  # <|im_start|> and <|im_end|> as their tokens
+        assert prompt_ids[0] == tok.token_id("<|im_start|>")
+        assert seq.ids.tolist() == prompt_ids + tok.encode(e.output) + [tok.token_id("<|im_end|>")]
+        assert seq.n_prompt == len(prompt_ids)
+    alpaca, _ = sft.encode_examples(tok, examples, 96)  # the default stays Alpaca, ending with </s>
+    assert alpaca[0].ids.tolist() == tok.encode(examples[0].prompt) + tok.encode(examples[0].output) + [tok.eos_id]
+
+
+def test_sft_with_a_template_file_writes_a_run_that_chats_in_it(tmp_path, tok):
+    base = make_base_run(tmp_path / "base", tok)
+    data = write_jsonl(tmp_path / "tasks.jsonl", TASKS * 2)
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    out = tmp_path / "sft"
+    result = CliRunner().invoke(cli(), ["sft", "--base", str(base), "--data", str(data), "--out", str(out), "--steps",
+                                        "2", "--batch-size", "2", "--template", str(tmp_path / "chatml.jinja")])
+    assert result.exit_code == 0, result.output
+    assert f"examples rendered in {tmp_path / 'chatml.jinja'}" in result.output and "exact match" in result.output
+    assert read_json(out / "config.json")["training"]["template"] == "chat_template"
+    assert read_json(out / "tokenizer_config.json") == {"eos_token": "</s>", "chat_template": CHATML}
+    template = ChatTemplate.for_run(out)
+    assert template.source == CHATML and "tokenizer_config.json" in template.name
+    # and a fine-tuning of that run keeps it, unless told otherwise
+    assert sft.sft_template(out).source == CHATML and sft.sft_template(out, "alpaca").training_name == "alpaca"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoeuler_core.bench.training import _device_memory_mb, _peak_rss_mb, _run_worker, gpu_name
+from nanoeuler_core.bench.training import _run_worker, memory_mb
 
 MODULE = "nanoeuler_core.bench.generation"
 
@@ -63,20 +63,21 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
         t = time.perf_counter()
         decoder.generate([ids] * batch_size, tokens, seeds, stats=stats)
         times.append(time.perf_counter() - t)
-    memory = _device_memory_mb() if backend == "cuda" else _peak_rss_mb()
-    return {"median_s": statistics.median(times), "memory_mb": memory, "tokens": out[0],
+    return {"median_s": statistics.median(times), "memory_mb": memory_mb(model.backend), "tokens": out[0],
             "acceptance": stats.acceptance, "per_step": stats.tokens_per_step}
 
 
 def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, compile) -> dict:
     import torch
 
+    from nanoeuler_core import registry
+    from nanoeuler_core.bench import torch_peer
     from nanoeuler_core.bench.torch_peer import TorchModel
 
-    device = "cuda" if backend == "cuda" else "cpu"
+    device = registry.backend(backend).peer_device
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    if device == "cpu":
+    if torch.device(device).type == "cpu":
         torch.set_num_threads(1)   # as nanoeuler's decoding: one token's ops are too small to share out
     model, tok = load_weights(preset, run, "cpu")
     ids = bench_prompt(model.cfg, tok, prompt)
@@ -97,8 +98,7 @@ def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, comp
         return torch.cat(out, dim=1)
 
     def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
+        torch_peer.synchronize(device)
 
     generate_greedy()
     first = generate_greedy()   # a second warm-up: CUDA graphs are recorded on a later call
@@ -109,12 +109,7 @@ def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, comp
         generate_greedy()
         sync()
         times.append(time.perf_counter() - t)
-    if device == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        memory = (total - free) / 2**20
-    else:
-        memory = _peak_rss_mb()
-    return {"median_s": statistics.median(times), "memory_mb": memory, "tokens": first[0].tolist(),
+    return {"median_s": statistics.median(times), "memory_mb": torch_peer.memory_mb(device), "tokens": first[0].tolist(),
             "torch": torch.__version__}
 
 
@@ -132,8 +127,9 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
         prompt: int = 16, tokens: int = 256, repeats: int = 3, temperature: float = 0.0, peers: bool = True,
         echo=print) -> dict:
     """Measure every engine, print a table, return the numbers."""
-    from nanoeuler_core import ModelConfig
+    from nanoeuler_core import ModelConfig, registry
 
+    be = registry.backend(backend)
     cfg = ModelConfig.preset(preset) if run_dir is None else None
     if cfg is None:
         from nanoeuler_core.engine.checkpoint import read_json
@@ -143,7 +139,7 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
     if prompt + tokens > cfg.ctx_len:
         tokens = cfg.ctx_len - prompt
         echo(f"(new tokens capped at {tokens}: the prompt and the new tokens fit the context of {cfg.ctx_len})")
-    machine = gpu_name() if backend == "cuda" else "CPU"
+    machine = be.device_name()
     weights = f"weights of {run_dir}" if run_dir else "random weights (seed 0)"
     mode = "greedy" if temperature == 0 else f"temperature {temperature}"
     echo(f"decoding, {cfg.n_params():,} parameters ({weights}), {machine}, batch {batch_size}, prompt {prompt}, "
@@ -162,7 +158,7 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
             echo("torch is not installed: no peer comparison (pip install 'nanoeuler[bench]')")
         else:
             rows["torch eager, KV cache"] = _run_worker({**common, "engine": "torch", "compile": False}, MODULE)
-            if backend == "cuda":
+            if be.peer_device != "cpu":   # CUDA graphs: a GPU peer only
                 rows["torch compile, static cache + CUDA graphs"] = _run_worker(
                     {**common, "engine": "torch", "compile": True}, MODULE)
     plain = rows.get("nanoeuler plain")

@@ -117,3 +117,19 @@ class TorchModel(torch.nn.Module):
         """Greedy decoding with the KV cache: ids (B, T) at positions pos (T,) -> head 0's argmax after
         the last of them (B, 1)."""
         return (self.hidden(ids, pos)[:, -1] @ self.w("heads.0").T).argmax(-1, keepdim=True)
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), before reading a clock."""
+    if torch.device(device).type != "cpu":
+        torch.cuda.synchronize(device)
+
+
+def memory_mb(device: str) -> float:
+    """Memory in use: the GPU's (total - free) for a GPU device, else this process's peak resident set."""
+    if torch.device(device).type != "cpu":
+        free, total = torch.cuda.mem_get_info(device)
+        return (total - free) / 2**20
+    from nanoeuler_core.bench.training import peak_rss_mb
+
+    return peak_rss_mb()

@@ -30,18 +30,18 @@ def _batch(cfg, batch_size: int, seed: int = 0):
     return ids[:, :-1], ids[:, 1:]
 
 
-def _device_memory_mb() -> float:
-    """Device memory in use on the current GPU (total - free, the figure nvidia-smi shows)."""
-    from numba import cuda
-
-    free, total = cuda.current_context().get_memory_info()
-    return (total - free) / 2**20
+def memory_mb(backend) -> float:
+    """Memory in use: the device's (total - free, the figure nvidia-smi shows) where the backend
+    has device memory, else this process's peak resident set."""
+    in_use = backend.memory_in_use()
+    return in_use / 2**20 if in_use is not None else peak_rss_mb()
 
 
 def worker_nanoeuler(preset: str, backend: str, batch_size: int, steps: int, warmup: int, precision: str,
                      profile: bool) -> dict:
     from nanoeuler_core import Model, ModelConfig
-    from nanoeuler_core.engine.optim import AdamW, TrainStep
+    from nanoeuler_core.engine.optim import AdamW
+    from nanoeuler_core.training.step import TrainStep
 
     cfg = ModelConfig.preset(preset)
     model = Model(cfg, backend=backend, seed=0, precision=precision)
@@ -54,9 +54,8 @@ def worker_nanoeuler(preset: str, backend: str, batch_size: int, steps: int, war
         model.backend.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t)
-        if backend == "cuda":
-            memory = max(memory, _device_memory_mb())
-    result = {"median_s": statistics.median(times), "memory_mb": memory or _peak_rss_mb()}
+        memory = max(memory, memory_mb(model.backend))
+    result = {"median_s": statistics.median(times), "memory_mb": memory}
     if profile:
         result["ops"] = profile_ops(model, inputs, targets)
     return result
@@ -100,25 +99,25 @@ def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup:
                  compile: bool) -> dict:
     import torch
 
-    from nanoeuler_core import Model, ModelConfig
-    from nanoeuler_core.bench.torch_peer import TorchModel
+    from nanoeuler_core import Model, ModelConfig, registry
+    from nanoeuler_core.bench.torch_peer import TorchModel, memory_mb, synchronize
 
-    device = "cuda" if backend == "cuda" else "cpu"
+    device = registry.backend(backend).peer_device
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
-    if device == "cpu":
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu:
         torch.set_num_threads(os.cpu_count())
     cfg = ModelConfig.preset(preset)
     model = TorchModel(cfg, device=device).load(Model(cfg, backend="cpu", seed=0).params).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                            fused=device == "cuda")
+                            fused=not on_cpu)
     loss_fn = torch.compile(model.loss) if compile else model.loss
     inputs, targets = (torch.tensor(a, device=device) for a in _batch(cfg, batch_size))
     times = []
     for i in range(warmup + steps):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         t = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with autocast:
@@ -126,19 +125,13 @@ def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - t)
-    if device == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        memory = (total - free) / 2**20
-    else:
-        memory = _peak_rss_mb()
-    return {"median_s": statistics.median(times), "memory_mb": memory, "torch": torch.__version__}
+    return {"median_s": statistics.median(times), "memory_mb": memory_mb(device), "torch": torch.__version__}
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -161,13 +154,6 @@ def _run_worker(args: dict, module: str = "nanoeuler_core.bench.training") -> di
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def gpu_name() -> str:
-    from numba import cuda
-
-    name = cuda.get_current_device().name
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
 def start_time(cache_dir: str) -> float:
     """Seconds for a fresh process to import nanoeuler, build a `small` model and run one
     forward+backward on the CPU, with Numba's kernel cache in `cache_dir`."""
@@ -186,11 +172,12 @@ def start_time(cache_dir: str) -> float:
 def run(preset: str, backend: str, batch_size: int, steps: int, warmup: int, precision: str, profile: bool,
         peers: bool, echo=print) -> dict:
     """Measure nanoeuler and its PyTorch peers; print a table; return the numbers."""
-    from nanoeuler_core import ModelConfig
+    from nanoeuler_core import ModelConfig, registry
 
+    be = registry.backend(backend)
     cfg = ModelConfig.preset(preset)
     tokens = batch_size * cfg.ctx_len
-    machine = gpu_name() if backend == "cuda" else f"{os.cpu_count()}-core CPU"
+    machine = be.device_name()
     echo(f"preset {preset} ({cfg.n_params():,} parameters), batch {batch_size} x {cfg.ctx_len}, {machine}, "
          f"training step (forward, backward, clipping, AdamW), median of {steps} after {warmup} warm-up")
     common = dict(preset=preset, backend=backend, batch_size=batch_size, steps=steps, warmup=warmup, precision=precision)
@@ -202,7 +189,7 @@ def run(preset: str, backend: str, batch_size: int, steps: int, warmup: int, pre
             echo("torch is not installed: no peer comparison (pip install 'nanoeuler[bench]')")
         else:
             rows[f"torch eager {precision}"] = _run_worker({**common, "engine": "torch", "compile": False})
-            if backend == "cuda":
+            if be.peer_device != "cpu":   # torch.compile's CPU code is not what its users run
                 rows[f"torch compile {precision}"] = _run_worker({**common, "engine": "torch", "compile": True})
     peak = next((v[precision] for k, v in PEAK_TFLOPS.items() if k in machine), None)
     echo(f"{'engine':<28}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'memory MB':>12}{'vs ours':>9}")

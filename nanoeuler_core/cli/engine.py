@@ -9,20 +9,24 @@ import typer
 
 from nanoeuler_core import registry
 from nanoeuler_core.engine import gradcheck
+from nanoeuler_core.training.step import check_graph_replay
 
 
 def ops() -> None:
-    """List every registered op with its backends (those usable here marked *) and its package."""
+    """List every registered op: the backends that have its kernels (those usable here marked *),
+    the backends that lack them, and the package that registered it."""
     backends = registry.backends()
     rows = []
     for name, op in sorted(registry.ops().items()):
-        names = [b + ("*" if b in backends and backends[b].available() else "") for b in op.backend_names()]
-        rows.append((name, " ".join(names), op.source, op.summary))
-    width = [max(len(r[i]) for r in rows + [("op", "backends", "package", "")]) for i in range(3)]
-    typer.echo(f"{'op':<{width[0]}}  {'backends':<{width[1]}}  {'package':<{width[2]}}  summary")
-    for row in rows:
-        typer.echo(f"{row[0]:<{width[0]}}  {row[1]:<{width[1]}}  {row[2]:<{width[2]}}  {row[3]}")
-    typer.echo("* usable on this machine")
+        has = op.backend_names()
+        names = [b + ("*" if backends[b].available() else "") for b in has]
+        lacks = [b for b in backends if b not in has]
+        rows.append((name, " ".join(names), " ".join(lacks) or "-", op.source, op.summary))
+    header = ("op", "backends", "lacking on", "package", "summary")
+    width = [max(len(r[i]) for r in rows + [header]) for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        typer.echo("  ".join(f"{cell:<{w}}" for cell, w in zip(row, width)) + "  " + row[-1])
+    typer.echo("* usable on this machine; an op is usable on a backend only where that backend has its kernels")
 
 
 def gradcheck_cmd(
@@ -35,8 +39,7 @@ def gradcheck_cmd(
     in a reduced precision, the backends running it against the float32 ones and the reference."""
     if backend is not None:
         registry.backend(backend)  # unknown names fail here with the list of backends
-    if precision not in registry.PRECISIONS:
-        raise ValueError(f"unknown precision '{precision}' (choose from: {', '.join(registry.PRECISIONS)})")
+    registry.precision(precision)  # unknown names fail here with the list of precisions
     only = [backend] if backend else None
     failures = 0
     typer.echo(f"== ops in {precision}: " + ("reference backward vs finite differences; every backend pair, "
@@ -49,8 +52,10 @@ def gradcheck_cmd(
         failures += _echo_op_checks(name, checks, verbose)
     typer.echo("== model (float64 reference): analytic gradient vs central finite differences")
     failures += _echo_checks(gradcheck.check_model_finite_differences(seed))
-    model_backends = [b for b in (only or registry.backends()) if b != "reference" and registry.backend(b).available()
-                      and precision in registry.backend(b).precisions]
+    model_backends = [b for b in (only or registry.backends()) if not registry.backend(b).ground_truth
+                      and registry.backend(b).available()
+                      and registry.precision(precision) in registry.backend(b).precisions
+                      and gradcheck.runs_model(b)]
     for name in model_backends:
         bound = gradcheck.MODEL_BACKEND_BOUND if precision == "fp32" else gradcheck.MODEL_PRECISION_BOUND[precision]
         typer.echo(f"== model: {name} backend in {precision} vs reference, loss and every gradient tensor "
@@ -101,13 +106,13 @@ def selftest(
     be = registry.backend(backend)
     if backend == "cpu" or not be.available():
         raise ValueError(f"selftest compares a backend with the CPU: '{backend}' is not usable here")
-    precisions = [be.check_precision(precision)] if precision else list(be.precisions)
+    precisions = [be.check_precision(precision).name] if precision else [p.name for p in be.precisions]
     small = ModelConfig.preset("small")
     failures = 0
     for p in precisions:
         typer.echo(f"== ops in {p}: {backend} vs cpu (and the reference), forward and backward")
         for name, op in sorted(registry.ops().items()):
-            if backend not in op.backends or p not in op.precisions_on(backend):
+            if backend not in op.backend_names() or p not in op.precisions_on(backend):
                 continue
             checks = [c for c in gradcheck.check_op(op, ["cpu", backend], seed=seed, precision=p) if c.b != "finite diff"]
             failures += _echo_op_checks(name, checks, verbose=False)
@@ -116,7 +121,7 @@ def selftest(
         failures += _echo_checks(gradcheck.check_model_backend(backend, seed, against="cpu", cfg=small, batch_size=4,
                                                                bound=bound, precision=p))
         typer.echo(f"== training step in {p}: captured and replayed vs launched eagerly")
-        failures += _echo_checks([gradcheck.check_graph_replay(backend, small, precision=p)])
+        failures += _echo_checks([check_graph_replay(backend, small, precision=p)])
     _verdict("selftest", failures)
 
 
@@ -147,7 +152,7 @@ def bench(
     be = registry.backend(backend)
     batch_size = batch_size if batch_size is not None else 1 if generate else 8
     steps = steps if steps is not None else 3 if generate else 20
-    if be.name == "reference" or steps < 1 or batch_size < 1:
+    if be.ground_truth or steps < 1 or batch_size < 1:
         raise ValueError("bench needs --backend cpu or cuda, and positive --steps and --batch-size")
     if generate:
         from nanoeuler_core.bench import generation
@@ -163,7 +168,7 @@ def bench(
         return
     from nanoeuler_core.bench import training as benchmark
 
-    precision = be.check_precision(precision or be.default_precision)
+    precision = be.check_precision(precision or be.default_precision).name
     if startup:
         with tempfile.TemporaryDirectory() as cache:
             cold, warm = benchmark.start_time(cache), benchmark.start_time(cache)

@@ -9,17 +9,23 @@ from typing import Iterator, Optional
 import typer
 
 from nanoeuler_core.cli.train import PRECISION_HELP, SPECULATIVE_HELP, log_run, rank0_log, stream_text
-from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.inference.chat import Conversation
 from nanoeuler_core.inference.decode import DecodeStats
-from nanoeuler_core.inference.generate import check_sampling, prompt_ids
+from nanoeuler_core.inference.generate import check_sampling, generate, prompt_ids
 from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.inference.template import ChatTemplate
 from nanoeuler_core.training import distributed, dpo, sft
 from nanoeuler_core.training import pretrain as training
 
 
 def _log(msg: str) -> None:
     typer.echo(msg, err=True)
+
+
+SFT_TEMPLATE_HELP = ("'alpaca' or a Jinja chat template file (default: the base run's own, from its "
+                     "tokenizer_config.json or its fine-tuning; else Alpaca)")
+CHAT_TEMPLATE_HELP = ("'alpaca' or a Jinja chat template file (default: the run's own, from its tokenizer_config.json "
+                      "or its fine-tuning)")
 
 
 def _accuracy_line(name: str, overall: float, per_task: dict[str, float]) -> str:
@@ -41,6 +47,7 @@ def sft_command(
     eval_every: int = typer.Option(100, help="held-out loss every N steps"),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
     precision: Optional[str] = typer.Option(None, help=PRECISION_HELP),
+    template: Optional[str] = typer.Option(None, help=SFT_TEMPLATE_HELP),
 ) -> None:
     """Fine-tune a pretrained run on instructions; reports held-out exact match before and after.
 
@@ -52,10 +59,13 @@ def sft_command(
         tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
                                   zero=zero, lr=lr, seed=seed, eval_every=eval_every, val_fraction=val_fraction,
                                   precision=precision)
-        run, heldout = sft.start_sft(base, data, out, tc, log)
+        chat_template = sft.sft_template(base, template)
+        run, heldout = sft.start_sft(base, data, out, tc, log, chat_template)
         log_run(run, log)
+        log(f"examples rendered in {chat_template.name}")
         if heldout and job.rank == 0:
-            log(_accuracy_line("base model on the held-out examples", *sft.exact_match(run.model, run.tok, heldout)))
+            log(_accuracy_line("base model on the held-out examples",
+                               *sft.exact_match(run.model, run.tok, heldout, chat_template)))
         job.barrier()  # the others wait here, not in the first step where the watchdog counts
         row, interrupted = training.train(run, log)
     if interrupted:
@@ -65,7 +75,8 @@ def sft_command(
     _log(f"done: step {row['step']}, train loss {row['loss']:.3f}, held-out loss {row.get('val_loss', float('nan')):.3f}; "
          f"run saved in {run.dir}")
     if heldout:
-        typer.echo(_accuracy_line("fine-tuned model on the held-out examples", *sft.exact_match(run.model, run.tok, heldout)))
+        typer.echo(_accuracy_line("fine-tuned model on the held-out examples",
+                                  *sft.exact_match(run.model, run.tok, heldout, chat_template)))
     typer.echo(f"chat with it: nanoeuler-run chat {run.dir}")
 
 
@@ -138,19 +149,24 @@ def chat_command(
     seed: Optional[int] = typer.Option(None, help="seed for reproducible replies"),
     speculative: Optional[bool] = typer.Option(None, "--speculative/--no-speculative", help=SPECULATIVE_HELP),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
+    template: Optional[str] = typer.Option(None, help=CHAT_TEMPLATE_HELP),
+    system: Optional[str] = typer.Option(None, help="a system message opening the conversation (for templates "
+                                                    "that take one)"),
 ) -> None:
-    """Talk to the model in RUN_DIR, one line per message; /reset starts over, /quit leaves. A message
-    that does not fit the context is refused with one line (and, when input is piped, ends the chat
-    with status 1)."""
+    """Talk to the model in RUN_DIR, one line per message; /reset starts over, /quit leaves. The
+    conversation is rendered in the run's chat template (--template overrides); a run without one
+    continues each line. A message that does not fit the context is refused with one line (and,
+    when input is piped, ends the chat with status 1)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     model, tok = load_model(run_dir, backend)
-    template = checkpoint.read_json(Path(run_dir) / "config.json").get("training", {}).get("template")
-    if template not in (None, sft.TEMPLATE):
-        raise ValueError(f"{run_dir} was fine-tuned with template '{template}', which this version does not know "
-                         f"(it knows '{sft.TEMPLATE}')")
-    mode = "a conversation in the Alpaca template" if template else "each line continued (a pretrained model)"
+    chat_template = ChatTemplate.for_run(run_dir, template)
+    if chat_template is None and system is not None:
+        raise ValueError(f"{run_dir} has no chat template, so no system message: pass --template too")
+    conversation = Conversation(chat_template, system)
+    if chat_template is not None:  # a template that refuses these roles says so now, not at the first message
+        chat_template.render(conversation.messages + [{"role": "user", "content": "?"}])
+    mode = f"a conversation in {chat_template.name}" if chat_template else "each line continued (a pretrained model)"
     _log(f"{run_dir}: {mode}; /reset starts over, /quit leaves")
-    conversation = Conversation()
     stats = DecodeStats()
     for turn, line in enumerate(_lines("> ")):
         if line.strip() == "/quit":
@@ -165,12 +181,12 @@ def chat_command(
                         seed=None if seed is None else seed + turn, on_text=stream_text, speculative=speculative,
                         stats=stats)
         try:
-            if template:
+            if chat_template:
                 conversation.say(model, tok, line, **sampling)
             else:
                 prompt_ids(tok, line, model.cfg.ctx_len, "the message")  # refused before it is echoed
                 typer.echo(line, nl=False)
-                model.generate(tok, line, **sampling)
+                generate(model, tok, line, **sampling)
         except ValueError as exc:
             if not sys.stdin.isatty():
                 raise

@@ -12,7 +12,8 @@ import typer
 from nanoeuler_core.cli.evaluate import hellaswag_file
 from nanoeuler_core.eval import hellaswag
 from nanoeuler_core.inference.decode import DecodeStats
-from nanoeuler_core.inference.generate import check_sampling
+from nanoeuler_core.inference.generate import check_sampling, generate_batch, prompt_ids
+from nanoeuler_core.inference.generate import generate as generate_text
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.training import distributed
 from nanoeuler_core.training import pretrain as training
@@ -151,15 +152,16 @@ def generate(
     if num_samples < 1:
         raise ValueError(f"--num-samples must be at least 1, got {num_samples}")
     model, tok = load_model(run_dir, backend)
+    prompt_ids(tok, prompt, model.cfg.ctx_len)  # a prompt longer than the context is refused before it is echoed
     stats = DecodeStats()
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                     speculative=speculative, stats=stats)
     if num_samples == 1:
         typer.echo(prompt, nl=False)
-        model.generate(tok, prompt, on_text=stream_text, **sampling)
+        generate_text(model, tok, prompt, on_text=stream_text, **sampling)
         typer.echo("")
     else:
-        texts = model.generate_batch(tok, [prompt] * num_samples, **sampling)
+        texts = generate_batch(model, tok, [prompt] * num_samples, **sampling)
         typer.echo("\n---\n".join(prompt + text for text in texts))
     typer.echo(stats.line(), err=True)
 

@@ -5,7 +5,12 @@ For every registered op and every sample it yields:
   * every pair of backends agrees on the forward and the backward, within the op's `tol`;
   * in each reduced precision an op declares (tf32, bf16), the backends running it agree with the
     float32 ones and the float64 reference, within that precision's bound (`Op.tol_for`), on
-    inputs rounded to what that precision stores.
+    inputs rounded to what that precision stores;
+  * for the inputs an op `accumulates`, a backward that adds into given arrays (`into`) agrees
+    across the backends too, starting from the same random contents.
+
+A backend that lacks an op's kernels is simply not among that op's backends; the model checks
+skip a backend that lacks any op the model needs.
 
 A new op, backend or precision is checked without writing a test: `check_op` walks whatever is
 registered. The full-model checks (every parameter tensor against finite differences, and each
@@ -62,7 +67,7 @@ def stored_values(x: np.ndarray, precision: str = "fp32") -> np.ndarray:
     """Float values rounded to what `precision` stores (float32, or bfloat16's 8 significant bits),
     as float64: every backend then starts from the same numbers and differs only in its arithmetic."""
     x = np.asarray(x, dtype=np.float32)
-    if precision == "bf16":
+    if registry.precision(precision).storage == "bf16":
         x = registry.bf16_values(registry.bf16_bits(x))
     return x.astype(np.float64)
 
@@ -72,11 +77,14 @@ def _rounded(sample: Sample, precision: str = "fp32") -> tuple:
                  for x in sample.inputs)
 
 
-def run_backend(op: Op, backend_name: str, inputs: tuple, attrs: dict, dout=None, precision: str = "fp32"):
+def run_backend(op: Op, backend_name: str, inputs: tuple, attrs: dict, dout=None, precision: str = "fp32",
+                into: dict | None = None):
     """Forward (and backward with `dout`, if the op has one) on one backend; host arrays back.
 
     `precision` applies where the op runs in it on this backend (else the backend runs fp32): in
     bf16 the float inputs are stored as bf16, and dout in the storage of the forward's output.
+    `into` {input position: host array} runs the backward adding into arrays holding those values
+    (in the storage of that input's gradient), and returns what they hold afterwards.
     Returns (outputs, grads): outputs is the forward's result followed by each in-place input
     after the call; grads is one host array (or None) per input.
     """
@@ -84,19 +92,28 @@ def run_backend(op: Op, backend_name: str, inputs: tuple, attrs: dict, dout=None
     impl = op.impl(backend_name)
     if precision not in op.precisions_on(backend_name):
         precision = "fp32"
-    low = "bf16" if precision == "bf16" else None
-    args = tuple((be.asarray(x, low if x.dtype.kind == "f" else None) if isinstance(x, np.ndarray) else x)
+    storage = registry.precision(precision).storage
+    args = tuple((be.asarray(x, storage if x.dtype.kind == "f" else None) if isinstance(x, np.ndarray) else x)
                  for x in inputs)
-    with be.matmul_mode(precision):
+    with be.computing(registry.precision(precision)):
         out, saved = impl.forward(*args, **attrs)
         outputs = [be.to_host(o) for o in _outputs(out)] + [be.to_host(args[i]) for i in op.inplace]
         grads = None
         if dout is not None and op.differentiable:
-            douts = tuple(be.asarray(d, "bf16" if low and getattr(o, "dtype", None) == np.uint16 else None)
-                          for d, o in zip(_outputs(dout), _outputs(out)))
-            grads = impl.backward(douts if isinstance(out, tuple) else douts[0], saved, *args, **attrs)
+            douts = tuple(be.asarray(d, storage if _low(o) else None) for d, o in zip(_outputs(dout), _outputs(out)))
+            dout_arg = douts if isinstance(out, tuple) else douts[0]
+            grads = impl.backward(dout_arg, saved, *args, **attrs)
+            if into:
+                targets = tuple(be.asarray(into[i], storage if _low(grads[i]) else None) if i in into else None
+                                for i in range(len(args)))
+                grads = impl.backward(dout_arg, saved, *args, into=targets, **attrs)
             grads = [None if g is None else be.to_host(g) for g in grads]
     return outputs, grads
+
+
+def _low(arr) -> bool:
+    """Whether a backend array is stored in bf16 (as its bit patterns)."""
+    return getattr(arr, "dtype", None) == np.uint16
 
 
 def _outputs(out) -> tuple:
@@ -151,6 +168,10 @@ def backend_pair_checks(op: Op, sample: Sample, backends: list[str], rng: np.ran
     if op.differentiable:
         dout = random_like(op.reference.forward(*inputs, **sample.attrs)[0], rng, precision)
     results = {name: run_backend(op, name, inputs, sample.attrs, dout, precision) for name in backends}
+    accumulating = [i for i in op.accumulates if i in sample.grad_inputs] if op.differentiable else []
+    if accumulating:   # a backward adding into arrays that already hold something
+        into = {i: stored_values(rng.standard_normal(np.shape(inputs[i])), precision) for i in accumulating}
+        added = {name: run_backend(op, name, inputs, sample.attrs, dout, precision, into)[1] for name in backends}
     tol = op.tol_for(precision)
     checks = []
     for a, b in combinations(backends, 2):
@@ -166,6 +187,9 @@ def backend_pair_checks(op: Op, sample: Sample, backends: list[str], rng: np.ran
         for i in sample.grad_inputs if op.differentiable else ():
             checks.append(_compare(op, sample, label_a, label_b, f"grad x{i}", grads_a[i], grads_b[i],
                                    tol.rtol, tol.atol))
+        for i in accumulating:
+            checks.append(_compare(op, sample, label_a, label_b, f"grad x{i} +=", added[a][i], added[b][i],
+                                   tol.rtol, tol.atol))
     return checks
 
 
@@ -176,7 +200,7 @@ def available_backends(op: Op, only: list[str] | None = None) -> list[str]:
         be = registry.backends().get(name)
         if be is None or not be.available():
             continue
-        if only and name not in only and name != "reference":
+        if only and name not in only and not be.ground_truth:
             continue
         names.append(name)
     return names
@@ -185,8 +209,15 @@ def available_backends(op: Op, only: list[str] | None = None) -> list[str]:
 def op_precisions(op: Op, backends: list[str] | None = None) -> list[str]:
     """The precisions `op` runs in on the usable ones of `backends`, fp32 first."""
     found = {p for name in available_backends(op, backends) for p in op.precisions_on(name)
-             if p in registry.backend(name).precisions}
+             if registry.precision(p) in registry.backend(name).precisions}
     return [p for p in registry.PRECISIONS if p in found]
+
+
+def runs_model(backend: str) -> bool:
+    """Whether `backend` has every op the model needs (else the model checks skip it)."""
+    from nanoeuler_core.engine.model import MODEL_OPS
+
+    return all(backend in registry.op(name).backend_names() for name in MODEL_OPS)
 
 
 def check_op(op: Op, backends: list[str] | None = None, seed: int = 0, precision: str = "fp32") -> list[Check]:
@@ -195,7 +226,8 @@ def check_op(op: Op, backends: list[str] | None = None, seed: int = 0, precision
     rng = np.random.default_rng(seed)
     names = available_backends(op, backends)
     if precision != "fp32":
-        names = [n for n in names if precision not in op.precisions_on(n) or precision in registry.backend(n).precisions]
+        names = [n for n in names if precision not in op.precisions_on(n)
+                 or registry.precision(precision) in registry.backend(n).precisions]
     checks = []
     for sample in op.sample_inputs(rng):
         if precision not in sample.precisions:
@@ -296,24 +328,3 @@ def check_model_backend(backend: str, seed: int = 0, against: str = "reference",
     checks = [TensorCheck("loss", abs(loss_other - loss_base) / abs(loss_base), bound)]
     checks += [TensorCheck(name, _scaled_error(grads_other[name], g, g), bound) for name, g in grads_base.items()]
     return checks
-
-
-def check_graph_replay(backend: str, cfg=None, steps: int = 3, seed: int = 0, precision: str = "fp32") -> TensorCheck:
-    """A captured training step (replayed) against the same steps launched eagerly: losses,
-    gradient norms and weights must agree exactly."""
-    from nanoeuler_core.engine.model import Model
-    from nanoeuler_core.engine.optim import AdamW, TrainStep
-
-    cfg = cfg or tiny_config()
-    results = []
-    for capture in (True, False):
-        model = Model(cfg, backend=backend, seed=seed, precision=precision)
-        step = TrainStep(model, AdamW(model), capture=capture)
-        rng = np.random.default_rng(seed)
-        history = [step(*tiny_batch(cfg, rng, B=2, T=cfg.ctx_len), 1e-3) for _ in range(steps)]
-        results.append((history, model.backend.to_host(model.flat)))
-    (replayed, w_replayed), (eager, w_eager) = results
-    worst = float(np.max(np.abs(w_replayed - w_eager)))
-    if replayed != eager:
-        worst = max(worst, float(np.max(np.abs(np.array(replayed) - np.array(eager)))))
-    return TensorCheck(f"{steps} steps, graph vs eager", worst, 0.0)

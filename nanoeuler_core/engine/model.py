@@ -17,12 +17,19 @@ adjacent in the parameter buffer, so they are views, not copies.
 Every op comes from the registry and runs on the chosen backend ("reference": NumPy float64,
 "cpu": Numba, "cuda": Numba CUDA); the model never touches a backend's internals. All
 parameters live in one flat buffer with named views, matrices first so that weight decay covers
-the prefix [0, n_decay); the gradients live in a twin buffer.
+the prefix [0, n_decay); the gradients live in a twin buffer, into which every op's backward adds
+its parameter gradient in place (the buffer is zeroed once at the start of a step), as llm.c does.
 
-Precision (SPEC.md section 7): "fp32"; "tf32" (float32 storage, TF32 matrix products); "bf16"
-(mixed precision: the float32 buffer holds the master weights and receives float32 gradients,
-while the forward and backward read a bf16 copy of the weights, refreshed after each update, and
-keep activations and activation gradients in bf16; the ops accumulate in float32).
+Training goes through two public calls: `prepare(inputs, targets)` turns a host batch into a
+`Batch` on the backend (ids, each head's targets, each row's weight in the objective), and
+`forward_backward(batch)` runs the forward and the backward, filling the gradient buffer; both
+are what a captured training step (nanoeuler_core.training.step) replays.
+
+Precision (SPEC.md section 7, nanoeuler_core.registry.Precision): FP32; TF32 (float32 storage,
+TF32 matrix products); BF16 (mixed precision: the float32 buffer holds the master weights and
+receives float32 gradients, while the forward and backward read a bf16 copy of the weights,
+refreshed after each update, and keep activations and activation gradients in bf16; the ops
+accumulate in float32).
 
 Shapes: B batch, T time, C = dim, H query heads, KV key/value heads, D = C / H, F = hidden_dim,
 V = vocab_size, N = B * T rows.
@@ -63,8 +70,22 @@ class BlockCache:
     out_saved: tuple    # add_rmsnorm's: (block output = x_mid + feed-forward branch, its rstd under the next norm)
 
 
+@dataclass
+class Batch:
+    """A batch on the model's backend, as `forward_backward` takes it: token ids (N,), each head's
+    targets (K, N) (-1 = no target) and each row's weight in the objective (K, N); the weights
+    also on the host, to sum the losses (`Model.loss_of`). N = B * T."""
+
+    B: int
+    T: int
+    ids: object
+    head_targets: object
+    weights: object
+    host_weights: np.ndarray
+
+
 def _computing(method):
-    """Run a method in the model's matrix-product precision (see Model.computing)."""
+    """Run a method in the model's precision (see Model.computing)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with self.computing():
@@ -76,9 +97,9 @@ class Model:
     def __init__(self, cfg: ModelConfig, backend: str = "cpu", seed: int = 0, precision: str | None = None):
         self.cfg = cfg
         self.backend_name = backend
-        self.backend = usable_backend(backend)
+        self.backend = registry.usable_backend(backend)
         self.precision = self.backend.check_precision(precision or self.backend.default_precision)
-        self.ops = SimpleNamespace(**{name: registry.op(name).impl(backend) for name in MODEL_OPS})
+        self.ops = registry.kernels_on(backend, MODEL_OPS)
 
         shapes = cfg.param_shapes()
         # Matrices first: weight decay applies to the prefix [0, n_decay) of the flat buffer.
@@ -93,14 +114,15 @@ class Model:
 
         self.flat = self.backend.asarray(self._init_flat(seed))   # the master weights
         self.grad_flat = self.backend.zeros(self.n_params)
-        # what the forward and backward read: the master weights, or their bf16 copy
-        self.compute_flat = self.backend.zeros(self.n_params, "bf16") if self.precision == "bf16" else self.flat
+        # what the forward and backward read: the master weights, or their copy in the precision's storage
+        low = self.precision.storage != "fp32"
+        self.compute_flat = self.backend.zeros(self.n_params, self.precision.storage) if low else self.flat
         self.refresh_compute_weights()
         self.master = self._views(self.flat)
         self.weights = self._views(self.compute_flat)
         self.grads = self._views(self.grad_flat)
-        self.layers = [self._layer(self.compute_flat, self.weights, i) for i in range(cfg.n_layers)]
-        self.layer_grads = [self._layer(self.grad_flat, self.grads, i) for i in range(cfg.n_layers)]
+        self.layers = self.block_weights(self.compute_flat)
+        self.layer_grads = self.block_weights(self.grad_flat)
         # the norm after each block: the next block's attn_norm, the final norm after the last
         self.next_norms = [L.attn_norm for L in self.layers[1:]] + [self.weights["norm"]]
         self.next_norm_grads = [G.attn_norm for G in self.layer_grads[1:]] + [self.grads["norm"]]
@@ -133,25 +155,30 @@ class Model:
 
     def stacked(self, flat, names: list[str]):
         """The named matrices stacked by rows, (sum of their rows, C), as a view of `flat` (the
-        parameter, compute-copy or gradient buffer); None unless they lie next to each other there
-        (the layout keeps wq, wk, wv, then w_gate, w_up, and the heads adjacent)."""
+        parameter, compute-copy or gradient buffer); ValueError unless they lie next to each other
+        there (the layout keeps wq, wk, wv, then w_gate, w_up, and the heads adjacent)."""
         first, (_, cols) = self.layout[names[0]]
         end = first
         for name in names:
             offset, shape = self.layout[name]
             if offset != end:
-                return None
+                raise ValueError(f"{names} are not adjacent in the parameter buffer")
             end += int(np.prod(shape))
         return flat[first:end].reshape(-1, cols)
 
-    def _layer(self, flat, tensors: dict, i: int) -> SimpleNamespace:
-        """Block i's tensors (views of `flat`) by short name, and its stacked matrices (STACKED)."""
-        prefix = f"layers.{i}."
-        layer = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
-        for stack, names in STACKED.items():
-            layer[stack] = self.stacked(flat, [prefix + n for n in names])
-            assert layer[stack] is not None, f"{names} are not adjacent in the parameter buffer"
-        return SimpleNamespace(**layer)
+    def block_weights(self, flat) -> list[SimpleNamespace]:
+        """Each block's tensors as views of `flat` (the master weights, their compute copy or the
+        gradient buffer) by short name (attn_norm, wq, ...), with the stacked matrices of STACKED
+        (wqkv, w_gate_up) that the forward multiplies by."""
+        tensors = self._views(flat)
+        blocks = []
+        for i in range(self.cfg.n_layers):
+            prefix = f"layers.{i}."
+            block = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
+            for stack, names in STACKED.items():
+                block[stack] = self.stacked(flat, [prefix + n for n in names])
+            blocks.append(SimpleNamespace(**block))
+        return blocks
 
     @property
     def params(self) -> dict[str, np.ndarray]:
@@ -165,8 +192,8 @@ class Model:
             self.backend.copy_(self.compute_flat, self.flat)
 
     def computing(self):
-        """The context every computation of this model runs in: its matrix-product precision."""
-        return self.backend.matmul_mode(self.precision)
+        """The context every computation of this model runs in: its precision on its backend."""
+        return self.backend.computing(self.precision)
 
     def load_params(self, params: dict) -> None:
         """Copy `params` (name -> array with the shapes of SPEC.md section 2) into the model."""
@@ -183,7 +210,7 @@ class Model:
         self.refresh_compute_weights()
 
     # ----------------------------------------------------------------------------------------
-    # forward
+    # batches
 
     def _check_inputs(self, ids: np.ndarray, name: str = "inputs") -> np.ndarray:
         ids = np.asarray(ids)
@@ -194,6 +221,82 @@ class Model:
         if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got [{ids.min()}, {ids.max()}]")
         return ids.astype(np.int64)
+
+    def _check_targets(self, targets, ids: np.ndarray) -> np.ndarray:
+        targets = np.asarray(targets)
+        if targets.shape != ids.shape or targets.dtype.kind not in "iu":
+            raise ValueError(f"targets must be an integer array of shape {ids.shape}, got {targets.dtype} {targets.shape}")
+        if targets.size and (targets.min() < -1 or targets.max() >= self.cfg.vocab_size):
+            raise ValueError(f"targets must be -1 (ignored) or in [0, {self.cfg.vocab_size})")
+        return targets.astype(np.int64)
+
+    def head_targets(self, targets: np.ndarray) -> np.ndarray:
+        """(B, T) next-token targets -> (K, B * T): head j at position t predicts targets[:, t + j]; -1 past the end."""
+        K = self.cfg.n_mtp
+        B, T = targets.shape
+        shifted = np.full((K, B, T), -1, dtype=np.int64)
+        for j in range(K):
+            shifted[j, :, :T - j] = targets[:, j:]
+        return shifted.reshape(K, B * T)
+
+    def head_counts(self, inputs, targets) -> np.ndarray:
+        """The valid targets of each head (K,) in a batch: what `prepare`'s `counts` sums over the
+        micro-batches and ranks of one step."""
+        return (self.head_targets(self._check_targets(targets, self._check_inputs(inputs))) >= 0).sum(axis=1)
+
+    def mtp_weights(self, head_targets: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
+        """Row weights (K, N) that make sum(weights * losses) the MTP loss: the mean over heads of
+        each head's mean over its valid targets; heads without any valid target do not count.
+
+        `counts` (K,), the valid targets of each head over a larger batch these rows belong to
+        (micro-batches, data-parallel ranks), makes the weights those of that whole batch."""
+        valid = head_targets >= 0
+        counts = valid.sum(axis=1) if counts is None else np.asarray(counts)
+        n_active = max(1, int((counts > 0).sum()))
+        return valid / np.maximum(counts, 1)[:, None] / n_active
+
+    def prepare(self, inputs, targets, counts=None, token_weights=None, out: Batch | None = None) -> Batch:
+        """Check a host batch and put it on the backend, as `forward_backward` takes it.
+
+        inputs, targets: int (B, T), targets -1 = ignored. The objective is the MTP loss (every
+        head, weighted as `mtp_weights` says, over a step whose head counts are `counts`), or,
+        with `token_weights` (B, T), sum(token_weights * cross-entropy of head 0) alone (for
+        objectives on log-probabilities, such as DPO's). `out`, a Batch of the same shape, is
+        refilled instead of allocating new buffers (a captured step reads the same ones).
+        """
+        ids = self._check_inputs(inputs)
+        targets = self._check_targets(targets, ids)
+        if token_weights is None:
+            head_targets = self.head_targets(targets)
+            weights = self.mtp_weights(head_targets, counts)
+        else:
+            token_weights = np.asarray(token_weights, dtype=np.float64)
+            if token_weights.shape != ids.shape:
+                raise ValueError(f"weights shape {token_weights.shape} must equal inputs shape {ids.shape}")
+            head_targets = np.full((self.cfg.n_mtp, ids.size), -1, dtype=np.int64)
+            head_targets[0] = targets.reshape(-1)
+            weights = np.zeros(head_targets.shape)
+            weights[0] = token_weights.reshape(-1) * (head_targets[0] >= 0)
+        host = (ids.reshape(-1), head_targets, weights)
+        be = self.backend
+        if out is None:
+            return Batch(*ids.shape, *(be.asarray(a) for a in host), weights)
+        if (out.B, out.T) != ids.shape:
+            raise ValueError(f"a batch of shape {ids.shape} cannot refill buffers of shape {(out.B, out.T)}")
+        for buffer, values in zip((out.ids, out.head_targets, out.weights), host):
+            be.copy_(buffer, values)
+        out.host_weights = weights
+        return out
+
+    def loss_of(self, batch: Batch, losses: list) -> float:
+        """The objective's value: sum(weights * per-row losses) of what forward_backward returned."""
+        return float((batch.host_weights * self._host_losses(losses)).sum())
+
+    def _host_losses(self, losses: list) -> np.ndarray:
+        return np.stack([np.asarray(self.backend.to_host(l), dtype=np.float64) for l in losses])
+
+    # ----------------------------------------------------------------------------------------
+    # forward
 
     def _forward(self, ids, B: int, T: int):
         """ids (N,) on the backend -> final hidden state (N, C) (after the final norm), per-block
@@ -237,45 +340,11 @@ class Model:
     # ----------------------------------------------------------------------------------------
     # loss and backward
 
-    def head_targets(self, targets: np.ndarray) -> np.ndarray:
-        """(B, T) next-token targets -> (K, B * T): head j at position t predicts targets[:, t + j]; -1 past the end."""
-        K = self.cfg.n_mtp
-        B, T = targets.shape
-        shifted = np.full((K, B, T), -1, dtype=np.int64)
-        for j in range(K):
-            shifted[j, :, :T - j] = targets[:, j:]
-        return shifted.reshape(K, B * T)
-
-    def _check_targets(self, targets, ids: np.ndarray) -> np.ndarray:
-        targets = np.asarray(targets)
-        if targets.shape != ids.shape or targets.dtype.kind not in "iu":
-            raise ValueError(f"targets must be an integer array of shape {ids.shape}, got {targets.dtype} {targets.shape}")
-        if targets.size and (targets.min() < -1 or targets.max() >= self.cfg.vocab_size):
-            raise ValueError(f"targets must be -1 (ignored) or in [0, {self.cfg.vocab_size})")
-        return targets.astype(np.int64)
-
-    def mtp_weights(self, head_targets: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
-        """Row weights (K, N) that make sum(weights * losses) the MTP loss: the mean over heads of
-        each head's mean over its valid targets; heads without any valid target do not count.
-
-        `counts` (K,), the valid targets of each head over a larger batch these rows belong to
-        (micro-batches, data-parallel ranks), makes the weights those of that whole batch."""
-        valid = head_targets >= 0
-        counts = valid.sum(axis=1) if counts is None else np.asarray(counts)
-        n_active = max(1, int((counts > 0).sum()))
-        return valid / np.maximum(counts, 1)[:, None] / n_active
-
-    def _store_grad(self, dst, grad, accumulate: bool) -> None:
-        """dst <- grad, or dst <- dst + grad when accumulating micro-batches into the gradient buffer."""
-        if accumulate:
-            grad, _ = self.ops.add.forward(dst, grad)
-        self.backend.copy_(dst, grad)
-
-    def _heads(self, h_final, head_targets, heads, weights=None, accumulate=False):
+    def _heads(self, h_final, head_targets, heads, weights=None):
         """Per-row cross-entropy (N,) of each head j in `heads` against head_targets[j] (backend (K, N)).
 
         With `weights` (backend (K, N)), also the backward of sum(weights * losses): the heads'
-        gradients are written (added, with `accumulate`) and dh_final (N, C) is returned.
+        gradients are added into the gradient buffer and dh_final (N, C) is returned.
         Returns (losses per head, dh_final).
         """
         f = self.ops
@@ -288,29 +357,71 @@ class Model:
             if weights is None:
                 continue
             dlogits, _ = f.cross_entropy.backward(weights[j], ce_saved, logits, head_targets[j])
-            dh_j, dhead_j = f.linear.backward(dlogits, (), h_final, head)
-            self._store_grad(self.grads[f"heads.{j}"], dhead_j, accumulate)
-            if dh_final is None:
-                dh_final = dh_j
-            else:
-                dh_final, _ = f.add.forward(dh_final, dh_j)
+            dh_final, _ = f.linear.backward(dlogits, (), h_final, head, into=(dh_final, self.grads[f"heads.{j}"]))
         return losses, dh_final
 
     @_computing
-    def _forward_backward(self, ids, head_targets, weights, B: int, T: int, accumulate: bool = False) -> list:
-        """Forward, then the gradient of sum(weights * per-row losses) of every head into
-        `grad_flat` (added to what it holds, with `accumulate`); all arguments on the backend.
-        Returns the losses per head (backend (N,) each).
+    def forward_backward(self, batch: Batch, accumulate: bool = False, grads_ready=None) -> list:
+        """Forward, then the gradient of the batch's objective (sum of weights * per-row losses over
+        every head) into `grad_flat`, added to what it holds with `accumulate` (micro-batches).
+        Returns the losses per head (backend (N,) each; `loss_of` sums them).
 
+        `grads_ready(names)`, if given, is called as soon as the gradients of those parameters are
+        final, heads first and the embedding last (the data-parallel sums start from there).
         Only backend work, no host copy: a backend with graphs captures it as it stands.
         """
-        h_final, caches, first_saved = self._forward(ids, B, T)
-        losses, dh_final = self._heads(h_final, head_targets, range(self.cfg.n_mtp), weights, accumulate)
-        self._backward_blocks(dh_final, caches, first_saved, ids, B, T, accumulate)
+        if not accumulate:
+            self.backend.zero_(self.grad_flat)
+        grads_ready = grads_ready or (lambda names: None)
+        h_final, caches, first_saved = self._forward(batch.ids, batch.B, batch.T)
+        losses, dh_final = self._heads(h_final, batch.head_targets, range(self.cfg.n_mtp), batch.weights)
+        grads_ready([f"heads.{j}" for j in range(self.cfg.n_mtp)])
+        self._backward_blocks(dh_final, caches, first_saved, batch.ids, batch.B, batch.T, grads_ready)
         return losses
 
-    def _host_losses(self, losses: list) -> np.ndarray:
-        return np.stack([np.asarray(self.backend.to_host(l), dtype=np.float64) for l in losses])
+    def _backward_blocks(self, dh, caches: list[BlockCache], first_saved: tuple, ids, B: int, T: int,
+                         grads_ready) -> None:
+        """Walk the blocks in reverse from dh (N, C), the gradient at the final norm's output, to
+        tok_emb, consuming `caches`; every weight's gradient is added into the gradient buffer, and
+        each block's parameters reported to `grads_ready` once their gradients are final."""
+        cfg, f = self.cfg, self.ops
+        N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
+        dx = None   # the gradient reaching the residual stream past the last block: none
+        for i in reversed(range(cfg.n_layers)):
+            L, G, c = self.layers[i], self.layer_grads[i], caches.pop()  # c is dropped after this block
+            # feed-forward step's residual add and the next norm: dx_mid reaches both x_mid and ffn_out
+            dx_mid, _, _ = f.add_rmsnorm.backward((dx, dh), c.out_saved, None, None, self.next_norms[i], eps=eps,
+                                                  into=(None, None, self.next_norm_grads[i]))
+            dact, _ = f.linear.backward(dx_mid, (), c.act, L.w_down, into=(None, G.w_down))
+            (dgate_up,) = f.swiglu.backward(dact, (), c.gate_up)
+            dh_ffn, _ = f.linear.backward(dgate_up, (), c.h_ffn, L.w_gate_up, into=(None, G.w_gate_up))
+            # attention step's residual add and ffn_norm: dx reaches both the block input and attn_out
+            dx, dattn_out, _ = f.add_rmsnorm.backward((dx_mid, dh_ffn), c.ffn_saved, None, None, L.ffn_norm, eps=eps,
+                                                      into=(None, None, G.ffn_norm))
+            do, _ = f.linear.backward(dattn_out, (), c.attn_saved[0].reshape(N, H * D), L.wo, into=(None, G.wo))
+            dq, dk, dv = f.attention.backward(do.reshape(B, T, H, D), c.attn_saved, c.q, c.k, c.v)
+            (dqkv,) = f.qkv_rope.backward((dq, dk, dv), (), c.qkv, n_heads=H, n_kv_heads=KV, theta=cfg.rope_theta)
+            dh, _ = f.linear.backward(dqkv.reshape(N, (H + 2 * KV) * D), (), c.h_attn, L.wqkv, into=(None, G.wqkv))
+            # final now: the block's own parameters but attn_norm (the block below adds to it), and the next norm
+            grads_ready([n for n in self.layout if n.startswith(f"layers.{i}.") and not n.endswith(".attn_norm")]
+                        + [f"layers.{i + 1}.attn_norm" if i + 1 < cfg.n_layers else "norm"])
+        # dh is now the gradient at the first norm's output: through it, and the stream, to the embedding
+        x_emb, rstd = first_saved
+        dx_norm, _ = f.rmsnorm.backward(dh, (rstd,), x_emb, self.layers[0].attn_norm, eps=eps,
+                                        into=(None, self.layer_grads[0].attn_norm))
+        dx, _ = f.add.forward(dx, dx_norm)
+        f.embedding.backward(dx, (), ids, self.weights["tok_emb"], into=(None, self.grads["tok_emb"]))
+        grads_ready(["layers.0.attn_norm", "tok_emb"])
+
+    def loss_and_backward(self, inputs, targets) -> float:
+        """The training loss; fills the gradient buffer `grad_flat` (and the `grads` views) without host copies."""
+        batch = self.prepare(inputs, targets)
+        return self.loss_of(batch, self.forward_backward(batch))
+
+    def loss_and_grad(self, inputs, targets) -> tuple[float, dict[str, np.ndarray]]:
+        """Loss and gradients (name -> host array) for int (B, T) inputs and targets (-1 = ignore)."""
+        loss = self.loss_and_backward(inputs, targets)
+        return loss, {name: np.array(self.backend.to_host(g)) for name, g in self.grads.items()}
 
     @_computing
     def head_losses(self, inputs, targets) -> np.ndarray:
@@ -331,15 +442,6 @@ class Model:
         means = self.head_losses(inputs, targets)
         return float(np.nanmean(means)) if not np.isnan(means).all() else 0.0
 
-    def loss_and_backward(self, inputs, targets) -> float:
-        """The training loss; fills the gradient buffer `grad_flat` (and the `grads` views) without host copies."""
-        ids, ids_dev = self._upload_ids(inputs)
-        head_targets = self.head_targets(self._check_targets(targets, ids))
-        weights = self.mtp_weights(head_targets)
-        be = self.backend
-        losses = self._forward_backward(ids_dev, be.asarray(head_targets), be.asarray(weights), *ids.shape)
-        return float((weights * self._host_losses(losses)).sum())
-
     @_computing
     def token_logprobs(self, inputs, targets) -> np.ndarray:
         """log p(targets[b, t] | inputs[b, :t + 1]) from head 0, (B, T) float64; 0 where the target is -1."""
@@ -355,56 +457,9 @@ class Model:
 
         The building block of objectives on sequence log-probabilities (DPO). Returns the log-probs.
         """
-        ids, ids_dev = self._upload_ids(inputs)
-        targets = self._check_targets(targets, ids)
-        weights = np.asarray(weights, dtype=np.float64)
-        if weights.shape != ids.shape:
-            raise ValueError(f"weights shape {weights.shape} must equal inputs shape {ids.shape}")
-        head_targets = np.full((self.cfg.n_mtp, ids.size), -1, dtype=np.int64)
-        head_targets[0] = targets.reshape(-1)
-        head_weights = np.zeros(head_targets.shape)
-        head_weights[0] = -weights.reshape(-1) * (targets.reshape(-1) >= 0)  # log p = -cross-entropy
-        be = self.backend
-        losses = self._forward_backward(ids_dev, be.asarray(head_targets), be.asarray(head_weights), *ids.shape,
-                                        accumulate=accumulate)
-        return -self._host_losses(losses[:1])[0].reshape(ids.shape)
-
-    def _backward_blocks(self, dh, caches: list[BlockCache], first_saved: tuple, ids_dev, B: int, T: int,
-                         accumulate: bool = False) -> None:
-        """Walk the blocks in reverse from dh (N, C), the gradient at the final norm's output, to
-        tok_emb, consuming `caches`; the weights' gradients are written (added, with `accumulate`)."""
-        cfg, f = self.cfg, self.ops
-        N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
-        dx = None   # the gradient reaching the residual stream past the last block: none
-        for i in reversed(range(cfg.n_layers)):
-            L, G, c = self.layers[i], self.layer_grads[i], caches.pop()  # c is dropped after this block
-            # feed-forward step's residual add and the next norm: dx_mid reaches both x_mid and ffn_out
-            dx_mid, _, dnext_norm = f.add_rmsnorm.backward((dx, dh), c.out_saved, None, None, self.next_norms[i], eps=eps)
-            self._store_grad(self.next_norm_grads[i], dnext_norm, accumulate)
-            dact, dw_down = f.linear.backward(dx_mid, (), c.act, L.w_down)
-            (dgate_up,) = f.swiglu.backward(dact, (), c.gate_up)
-            dh_ffn, dw_gate_up = f.linear.backward(dgate_up, (), c.h_ffn, L.w_gate_up)
-            # attention step's residual add and ffn_norm: dx reaches both the block input and attn_out
-            dx, dattn_out, dffn_norm = f.add_rmsnorm.backward((dx_mid, dh_ffn), c.ffn_saved, None, None, L.ffn_norm, eps=eps)
-            do, dwo = f.linear.backward(dattn_out, (), c.attn_saved[0].reshape(N, H * D), L.wo)
-            dq, dk, dv = f.attention.backward(do.reshape(B, T, H, D), c.attn_saved, c.q, c.k, c.v)
-            (dqkv,) = f.qkv_rope.backward((dq, dk, dv), (), c.qkv, n_heads=H, n_kv_heads=KV, theta=cfg.rope_theta)
-            dh, dwqkv = f.linear.backward(dqkv.reshape(N, (H + 2 * KV) * D), (), c.h_attn, L.wqkv)
-            for name, grad in (("w_down", dw_down), ("w_gate_up", dw_gate_up), ("ffn_norm", dffn_norm), ("wo", dwo),
-                               ("wqkv", dwqkv)):
-                self._store_grad(getattr(G, name), grad, accumulate)
-        # dh is now the gradient at the first norm's output: through it, and the stream, to the embedding
-        x_emb, rstd = first_saved
-        dx_norm, dattn_norm = f.rmsnorm.backward(dh, (rstd,), x_emb, self.layers[0].attn_norm, eps=eps)
-        self._store_grad(self.layer_grads[0].attn_norm, dattn_norm, accumulate)
-        dx, _ = f.add.forward(dx, dx_norm)
-        _, dtok = f.embedding.backward(dx, (), ids_dev, self.weights["tok_emb"])
-        self._store_grad(self.grads["tok_emb"], dtok, accumulate)
-
-    def loss_and_grad(self, inputs, targets) -> tuple[float, dict[str, np.ndarray]]:
-        """Loss and gradients (name -> host array) for int (B, T) inputs and targets (-1 = ignore)."""
-        loss = self.loss_and_backward(inputs, targets)
-        return loss, {name: np.array(self.backend.to_host(g)) for name, g in self.grads.items()}
+        batch = self.prepare(inputs, targets, token_weights=-np.asarray(weights, dtype=np.float64))  # log p = -CE
+        losses = self.forward_backward(batch, accumulate=accumulate)
+        return -self._host_losses(losses[:1])[0].reshape(batch.B, batch.T)
 
     # ----------------------------------------------------------------------------------------
     # files
@@ -440,33 +495,3 @@ class Model:
         except ValueError as exc:
             raise CheckpointError(f"{run_dir / 'model.safetensors'} does not match config.json: {exc}") from None
         return model
-
-    # ----------------------------------------------------------------------------------------
-    # generation (nanoeuler_core.inference.generate holds it; these are the SPEC.md API)
-
-    def generate(self, tok, prompt: str, *args, **sampling) -> str:
-        """Continue `prompt`; returns the new text. See nanoeuler_core.inference.generate.generate."""
-        from nanoeuler_core.inference.generate import generate
-
-        return generate(self, tok, prompt, *args, **sampling)
-
-    def generate_batch(self, tok, prompts: list[str], *args, **sampling) -> list[str]:
-        """Continue every prompt at once. See nanoeuler_core.inference.generate.generate_batch."""
-        from nanoeuler_core.inference.generate import generate_batch
-
-        return generate_batch(self, tok, prompts, *args, **sampling)
-
-    def chat(self, tok, messages: list[dict], **sampling) -> str:
-        """Reply to a conversation of {"role", "content"} messages. See nanoeuler_core.inference.chat."""
-        from nanoeuler_core.inference.chat import chat
-
-        return chat(self, tok, messages, **sampling)
-
-
-def usable_backend(name: str):
-    """The registered backend `name`, if it can run here; else a ValueError saying why not."""
-    backend = registry.backend(name)
-    if not backend.available():
-        hint = " (it needs an NVIDIA GPU and pip install 'nanoeuler[cuda]')" if name == "cuda" else ""
-        raise ValueError(f"backend '{name}' is not available on this machine{hint}")
-    return backend

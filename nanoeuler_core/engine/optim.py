@@ -3,54 +3,28 @@
 One call of the registered `adamw` op computes the global gradient norm, clips, and updates every
 parameter; weight decay covers the matrices, which the model lays out first ([0, n_decay)).
 
-Data parallelism enters through a `Collectives` object (nanoeuler_core.training.distributed makes
-them; the engine knows only this interface). Between the backward and the update, AdamW sums the
+Data parallelism enters through a `Collectives` object (nanoeuler_core.collectives; the backend
+makes them); the engine knows only this interface. Between the backward and the update, AdamW sums the
 gradient buffer over the ranks (all-reduce), or, with sharded optimizer state (ZeRO-1), sums each
 rank's slice of it (reduce-scatter), updates that slice with its share of the moments and clips by
 the global norm, then gathers the updated slices (all-gather). The calls on backend arrays are
 backend work, so a captured CUDA graph holds them.
+
+The sums start before the backward ends, as PyTorch's DDP does: the backward of a step's last
+micro-batch reports each group of parameters whose gradient is final (`GradientSync.ready`), and
+every contiguous run of final gradients of at least `bucket` elements is summed at once, on the
+communication stream, while the backward goes on (ZeRO-1: reduced to the rank that owns each
+part); `update` waits for the last of them. A step on N ranks then costs about what it costs on one.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 import numpy as np
 
 from nanoeuler_core import registry
-
-
-class Collectives(Protocol):
-    """Communication among `size` data-parallel ranks, this one being `rank`.
-
-    Backend arrays are flat and reduced in place; `shard(n)` is the slice [lo, hi) of an n-long
-    buffer that this rank owns (n must be a multiple of size).
-    """
-
-    rank: int
-    size: int
-
-    def all_reduce_sum(self, buf) -> None:
-        """buf <- the sum of every rank's buf."""
-
-    def reduce_scatter_sum(self, buf) -> None:
-        """buf[lo:hi] <- the sum of every rank's buf[lo:hi], for this rank's shard; the rest of buf is left undefined."""
-
-    def all_gather(self, buf) -> None:
-        """buf[shard of rank r] <- rank r's buf[shard of rank r], for every r."""
-
-    def host_sum(self, values: np.ndarray) -> np.ndarray:
-        """The sum over the ranks of a small host array."""
-
-    def host_concat(self, values: np.ndarray) -> np.ndarray:
-        """Every rank's host array, concatenated in rank order (on every rank)."""
-
-
-def shard(n: int, rank: int, size: int) -> tuple[int, int]:
-    """The slice [lo, hi) of an n-long buffer that `rank` of `size` owns."""
-    per_rank = n // size
-    return rank * per_rank, (rank + 1) * per_rank
+from nanoeuler_core.collectives import Collectives, shard
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int, final_ratio: float = 0.1) -> float:
@@ -61,12 +35,77 @@ def lr_at(step: int, peak: float, warmup: int, total: int, final_ratio: float = 
     return peak * (final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+BUCKET_ELEMENTS = 4 * 2**20   # gradients summed per collective at least (16 MB of float32; DDP's are 25 MB)
+
+
+class GradientSync:
+    """Sums the model's gradient buffer over the ranks in buckets while the backward still runs.
+
+    `ready(names)` marks parameters whose gradients are final; each contiguous run of final,
+    not yet summed gradients of at least `bucket` elements is summed (all-reduced, or with ZeRO-1
+    reduced onto the rank owning each part of it) as soon as it forms; `finish()` sums what is
+    left and waits. The runs depend only on the order of `ready` calls, the same on every rank.
+    """
+
+    def __init__(self, model, comm: Collectives, zero: bool, bucket: int = BUCKET_ELEMENTS):
+        self.model, self.comm, self.zero, self.bucket = model, comm, zero, bucket
+        self.started = False
+        self._ready: list[list[int]] = []    # sorted, disjoint [lo, hi) runs of final, unsummed gradients
+        self._summed = 0
+
+    def begin(self) -> None:
+        self.started, self._ready, self._summed = True, [], 0
+
+    def ready(self, names) -> None:
+        """The gradients of these parameters are final: sum every run that is now large enough."""
+        for name in names:
+            offset, shape = self.model.layout[name]
+            self._add(offset, offset + int(np.prod(shape)))
+        for run in [r for r in self._ready if r[1] - r[0] >= self.bucket]:
+            self._ready.remove(run)
+            self._sum(*run)
+
+    def finish(self) -> None:
+        """Sum the rest and wait for every sum; every parameter must have been reported."""
+        for run in self._ready:
+            self._sum(*run)
+        if self._summed != self.model.n_params:
+            raise RuntimeError(f"the backward reported {self._summed:,} of {self.model.n_params:,} gradients final")
+        self.comm.wait()
+        self.started = False
+
+    def _add(self, lo: int, hi: int) -> None:
+        runs = self._ready + [[lo, hi]]
+        runs.sort()
+        merged = [runs[0]]
+        for run in runs[1:]:
+            if run[0] == merged[-1][1]:
+                merged[-1] = [merged[-1][0], run[1]]
+            else:
+                merged.append(run)
+        self._ready = merged
+
+    def _sum(self, lo: int, hi: int) -> None:
+        grads, comm = self.model.grad_flat, self.comm
+        self._summed += hi - lo
+        if not self.zero:
+            comm.all_reduce_sum_async(grads[lo:hi])
+            return
+        per_rank = self.model.n_params // comm.size
+        while lo < hi:   # split where the ranks' shards meet: each part goes to its owner
+            owner = lo // per_rank
+            end = min(hi, (owner + 1) * per_rank)
+            comm.reduce_sum_async(grads[lo:end], owner)
+            lo = end
+
+
 class AdamW:
     """AdamW with global gradient-norm clipping; with `comm`, data-parallel over its ranks, and with
-    `zero`, each rank keeps the moments of its shard of the parameters only (ZeRO-1)."""
+    `zero`, each rank keeps the moments of its shard of the parameters only (ZeRO-1). `overlap`
+    starts the gradients' sums during the backward (see GradientSync)."""
 
     def __init__(self, model, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0,
-                 comm: Collectives | None = None, zero: bool = False):
+                 comm: Collectives | None = None, zero: bool = False, overlap: bool = True):
         self.model = model
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay, self.max_grad_norm = eps, weight_decay, max_grad_norm
@@ -84,7 +123,17 @@ class AdamW:
         self.v = be.zeros(self.hi - self.lo)
         self.sched = be.zeros(2)  # [lr, step] on the backend: a captured step reads them from here
         self.step_count = 0
-        self._adamw = registry.op("adamw").impl(model.backend_name).forward
+        self._adamw = registry.kernels_on(model.backend_name, ["adamw"]).adamw.forward
+        self.sync = GradientSync(model, comm, zero) if comm is not None and overlap else None
+
+    def grads_ready_hook(self):
+        """What the backward of a step's last micro-batch should call as gradients become final
+        (Model.forward_backward's `grads_ready`), or None where nothing overlaps: the sums over
+        the ranks then start early, and `update` waits for them."""
+        if self.sync is None:
+            return None
+        self.sync.begin()
+        return self.sync.ready
 
     def set_schedule(self, lr: float) -> None:
         """Start the next step at learning rate `lr` (host work: call before `update`)."""
@@ -98,14 +147,18 @@ class AdamW:
         model, comm, lo, hi = self.model, self.comm, self.lo, self.hi
         hyper = dict(beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay,
                      max_grad_norm=self.max_grad_norm)
+        synced = self.sync is not None and self.sync.started
+        if synced:
+            self.sync.finish()
         if not self.zero:
-            if comm is not None:
+            if comm is not None and not synced:
                 comm.all_reduce_sum(model.grad_flat)
             norm, _ = self._adamw(model.flat, model.grad_flat, self.m, self.v, self.sched, n_decay=model.n_decay,
                                   **hyper)
             model.refresh_compute_weights()
             return norm
-        comm.reduce_scatter_sum(model.grad_flat)
+        if not synced:
+            comm.reduce_scatter_sum(model.grad_flat)
         norm, _ = self._adamw(model.flat[lo:hi], model.grad_flat[lo:hi], self.m, self.v, self.sched,
                               n_decay=min(max(model.n_decay - lo, 0), hi - lo),
                               reduce_sum_squares=comm.all_reduce_sum, **hyper)
@@ -146,59 +199,3 @@ class AdamW:
         be.copy_(self.m, m[self.lo:self.hi])
         be.copy_(self.v, v[self.lo:self.hi])
         self.step_count = int(metadata.get("step", 0))
-
-
-class TrainStep:
-    """One optimisation step (forward and backward of each micro-batch, the gradients summed in
-    the model's buffer and over the optimizer's ranks, clipping, AdamW) on micro-batches of one shape.
-
-    The micro-batches are copied into device buffers that stay put, so the step itself is backend
-    work only: the backend captures it once per shape and micro-batch count (a CUDA graph) and
-    replays it; the CPU backends run it as is. `capture=False` keeps every launch eager, for debugging.
-    """
-
-    def __init__(self, model, optimizer: AdamW, capture: bool = True):
-        self.model, self.optimizer, self.capture = model, optimizer, capture
-        self._programs: dict = {}
-
-    def __call__(self, inputs, targets, lr: float) -> tuple[float, float]:
-        """Train on one batch; returns (loss, gradient norm before clipping)."""
-        return self.micro_batches([(inputs, targets)], lr)
-
-    def micro_batches(self, batches: list[tuple[np.ndarray, np.ndarray]], lr: float) -> tuple[float, float]:
-        """Train on micro-batches [(inputs, targets), ...], one step over all their rows (and over
-        every rank's micro-batches): the MTP weights count the targets of the whole step. Returns
-        (loss, gradient norm before clipping), both of the whole step."""
-        model, be, comm = self.model, self.model.backend, self.optimizer.comm
-        ids = [model._check_inputs(inputs) for inputs, _ in batches]
-        if len({i.shape for i in ids}) != 1:
-            raise ValueError(f"micro-batches of one step must share a shape, got {sorted({i.shape for i in ids})}")
-        head_targets = [model.head_targets(model._check_targets(targets, i)) for (_, targets), i in zip(batches, ids)]
-        counts = sum((h >= 0).sum(axis=1) for h in head_targets)
-        if comm is not None:
-            counts = comm.host_sum(counts)
-        weights = [model.mtp_weights(h, counts) for h in head_targets]
-        host = (np.stack([i.reshape(-1) for i in ids]), np.stack(head_targets), np.stack(weights))
-        self.optimizer.set_schedule(lr)
-        key = (len(batches), ids[0].shape)
-        program = self._programs.get(key)
-        if program is None:
-            buffers = tuple(be.asarray(a) for a in host)
-
-            def step():
-                losses = [model._forward_backward(buffers[0][k], buffers[1][k], buffers[2][k], *ids[0].shape,
-                                                  accumulate=k > 0) for k in range(len(batches))]
-                return losses, self.optimizer.update()
-
-            replay, result = be.capture(step) if self.capture else (step, step())
-            self._programs[key] = (buffers, replay)
-        else:
-            buffers, replay = program
-            for buffer, values in zip(buffers, host):
-                be.copy_(buffer, values)
-            result = replay()
-        losses, norm = result
-        loss = sum(float((w * model._host_losses(l)).sum()) for w, l in zip(weights, losses))
-        if comm is not None:
-            loss = float(comm.host_sum(np.array([loss]))[0])
-        return loss, float(be.to_host(norm)[0])

@@ -39,10 +39,8 @@ positions, C = dim, H query heads, KV key/value heads of D dims, V = vocab_size.
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -53,24 +51,6 @@ from nanoeuler_core import registry
 DECODE_OPS = ("embedding", "norm_linear", "decode_attention", "linear_residual", "norm_swiglu", "sample")
 MAX_SEED = 2**62          # row seeds live in [0, MAX_SEED) (the sample op's RNG key)
 DECODERS_PER_MODEL = 4    # decoders (KV caches, captured graphs) kept per model for later calls
-
-
-@contextmanager
-def one_cpu_thread(backend_name: str):
-    """Run the CPU backend's kernels on the calling thread only: a decoding step is dozens of
-    calls on one token's data, and waking Numba's other threads for a parallel loop (the
-    embedding's) costs more than the loop (tens of microseconds on a busy machine)."""
-    if backend_name != "cpu":
-        yield
-        return
-    import numba
-
-    threads = numba.get_num_threads()
-    numba.set_num_threads(1)  # thread-local: other threads keep their setting
-    try:
-        yield
-    finally:
-        numba.set_num_threads(threads)
 
 
 @dataclass(frozen=True)
@@ -137,7 +117,7 @@ class Decoder:
         self.model, self.cfg, self.be = model, cfg, model.backend
         self.batch, self.speculative, self.sampling, self.capture = batch_size, speculative, sampling, capture
         self.K = cfg.n_mtp if speculative else 1
-        self.ops = SimpleNamespace(**{name: registry.op(name).impl(model.backend_name) for name in DECODE_OPS})
+        self.ops = registry.kernels_on(model.backend_name, DECODE_OPS)
         self.attrs = {**sampling.attrs(), "max_pos": cfg.ctx_len}
         self.S = cfg.ctx_len + self.K - 1
         self._check_memory()
@@ -157,56 +137,29 @@ class Decoder:
         self._replay = None
 
     def _check_memory(self) -> None:
-        """A clear error, before allocating, for a batch whose cache and buffers cannot fit in RAM
-        (on a GPU the allocation itself tells)."""
+        """A clear error, before allocating, for a batch whose cache and buffers cannot fit in the
+        memory the backend plans with (where it has no such limit, the allocation itself tells)."""
         cfg, B = self.cfg, self.batch
         itemsize = np.dtype(self.be.dtype).itemsize
         cache = 2 * cfg.n_layers * B * self.S * cfg.n_kv_heads * cfg.head_dim * itemsize
         logits = B * self.K * self.K * cfg.vocab_size * itemsize
         activations = B * self.K * (2 * cfg.hidden_dim + 4 * cfg.dim) * itemsize
         self.bytes_needed = cache + 2 * logits + activations
-        if self.be.name != "cuda":
-            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            if self.bytes_needed > 0.8 * limit:
-                raise ValueError(self._too_large(f"{limit / 2**30:.1f} GiB of memory of this machine"))
+        limit = self.be.memory_limit()
+        if limit is not None and self.bytes_needed > limit:
+            raise ValueError(self._too_large(f"{limit / 2**30:.1f} GiB of memory this machine can give it"))
 
     def _too_large(self, what: str) -> str:
         return (f"a batch of {self.batch} rows needs {self.bytes_needed / 2**30:.1f} GiB for its KV cache and "
                 f"buffers, more than the {what}: generate fewer rows at once (--num-samples, or fewer prompts)")
 
     def _bind_weights(self) -> None:
-        """The parameters in the shapes the decoding ops read: views of the parameter buffer, or
-        buffers of their own (refreshed before each generation) where matrices are not adjacent."""
-        m, cfg = self.model, self.cfg
-        self._copies = []
-
-        def stacked(names):
-            view = m.stacked(m.flat, names)
-            if view is not None:
-                return view
-            copy = self.be.zeros((sum(m.layout[n][1][0] for n in names), cfg.dim))
-            self._copies.append((copy, names))
-            return copy
-
+        """The parameters in the shapes the decoding ops read: views of the master weights, with the
+        model's stacked matrices (wqkv, w_gate_up) and the K heads stacked by rows."""
+        m = self.model
         self.w = SimpleNamespace(tok_emb=m.master["tok_emb"], norm=m.master["norm"],
-                                 heads=stacked([f"heads.{j}" for j in range(self.K)]))
-        self.layers = []
-        for i in range(cfg.n_layers):
-            p = f"layers.{i}."
-            self.layers.append(SimpleNamespace(
-                attn_norm=m.master[p + "attn_norm"], wqkv=stacked([p + "wq", p + "wk", p + "wv"]),
-                wo=m.master[p + "wo"], ffn_norm=m.master[p + "ffn_norm"],
-                w_gate_up=stacked([p + "w_gate", p + "w_up"]), w_down=m.master[p + "w_down"]))
-
-    def _refresh_copies(self) -> None:
-        """Copy the current parameters into the stacked buffers that are not views (a captured
-        step keeps reading the same buffers)."""
-        for copy, names in self._copies:
-            row = 0
-            for name in names:
-                w = self.model.master[name]
-                self.be.copy_(copy[row:row + w.shape[0]], w)
-                row += w.shape[0]
+                                 heads=m.stacked(m.flat, [f"heads.{j}" for j in range(self.K)]))
+        self.layers = m.block_weights(m.flat)
 
     # ----------------------------------------------------------------------------------------
     # the forward
@@ -275,7 +228,7 @@ class Decoder:
             raise ValueError(f"this decoder takes {self.batch} prompts and seeds, got {len(prompts)} and {len(seeds)}")
         start = time.perf_counter()
         rows = [_Row(b, list(prompt), max_new_tokens, eos_id, on_token) for b, prompt in enumerate(prompts)]
-        with one_cpu_thread(self.model.backend_name):
+        with self.be.serial():
             steps, row_steps, accepted = self._decode(rows, seeds)
         if stats is not None:
             stats.tokens += sum(len(row.new) for row in rows)
@@ -292,7 +245,6 @@ class Decoder:
         """Prefill, then step until every row is done; returns (steps, steps summed over the rows
         decoding, proposals kept)."""
         ctx, be = self.cfg.ctx_len, self.be
-        self._refresh_copies()
         be.copy_(self.seeds, np.array([seed % MAX_SEED for seed in seeds], dtype=np.int64))
         for row in rows:
             if row.active:

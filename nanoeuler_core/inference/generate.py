@@ -8,8 +8,9 @@ Row i of a batch generates exactly what generate(prompts[i], seed=seed + i) does
 own random stream, and a row's computation does not depend on the batch), so `--num-samples N`
 of one prompt gives N different samples, each reproducible alone.
 
-`speculative`: None picks the faster mode for the backend (SPECULATIVE_BY_DEFAULT). Speculative
-decoding gives the same greedy output as plain decoding, and samples from the same distribution.
+`speculative`: None picks the faster mode for the backend (its `multi_token_step_cheap` trait).
+Speculative decoding gives the same greedy output as plain decoding, and samples from the same
+distribution.
 
 Prompts: up to ctx_len tokens (an empty prompt starts from `</s>`); a longer one is an error.
 Generation may run past the context: the cache then slides by half a context (decode.py).
@@ -22,12 +23,6 @@ import codecs
 import numpy as np
 
 from nanoeuler_core.inference.decode import MAX_SEED, DecodeStats, Sampling, decoder_for
-
-# Speculative decoding when `speculative` is None. On a GPU a step over K tokens costs about what a
-# step over one does (reading the weights dominates), so any accepted proposal is a gain. On the
-# CPU the step's arithmetic grows with K, and the small models trained here accept too few
-# proposals to pay for it (bench/RESULTS.md).
-SPECULATIVE_BY_DEFAULT = {"cuda": True, "cpu": False, "reference": False}
 
 
 def generate(model, tok, prompt: str, max_new_tokens: int = 50, temperature: float = 0.8, top_k: int | None = None,
@@ -60,7 +55,9 @@ def _generate(model, tok, prompts, max_new_tokens, temperature, top_k, top_p, se
     ids = [prompt_ids(tok, prompt, model.cfg.ctx_len, f"prompt {i}" if len(prompts) > 1 else "the prompt")
            for i, prompt in enumerate(prompts)]
     if speculative is None:
-        speculative = SPECULATIVE_BY_DEFAULT.get(model.backend_name, False) and model.cfg.n_mtp > 1
+        # where a step over K tokens costs about what a step over one does, any accepted proposal
+        # is a gain; on the CPU the arithmetic grows with K (bench/RESULTS.md)
+        speculative = model.backend.multi_token_step_cheap and model.cfg.n_mtp > 1
     decoder = decoder_for(model, len(prompts), speculative, Sampling(temperature, top_k, top_p))
     base = int(np.random.SeedSequence().entropy % MAX_SEED) if seed is None else seed
     texts = [TextStream(tok, on_text) for _ in prompts]

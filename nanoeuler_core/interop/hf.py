@@ -14,14 +14,17 @@ A nanoeuler model is a Llama model plus K - 1 extra multi-token-prediction heads
     heads.{j}, j >= 1         mtp_heads.safetensors, under their own names, beside the model
 
 An export holds config.json, model.safetensors, mtp_heads.safetensors, generation_config.json,
-tokenizer.json and tokenizer_config.json (end-of-text token, and for fine-tuned runs a Jinja
-`chat_template` rendering exactly the Alpaca prompt `chat` builds). `transformers`
-loads it with AutoModelForCausalLM / AutoTokenizer; importing it back restores every head.
+tokenizer.json and tokenizer_config.json (end-of-text token, and for runs with a chat template a
+Jinja `chat_template` rendering exactly the prompt `chat` builds: Alpaca for runs fine-tuned by
+nanoeuler with it, else the run's own). `transformers` loads it with AutoModelForCausalLM /
+AutoTokenizer; importing it back restores every head.
 
 An import reads config.json, model.safetensors or the shards named by
 model.safetensors.index.json (float32, float16 or bfloat16; stored as float32), tokenizer.json
-and tokenizer_config.json. What the engine cannot represent (biases, another activation, RoPE
-scaling, a vocabulary above 65,536, ...) is refused in one line naming the field. A checkpoint
+and tokenizer_config.json, whose `chat_template` (or a chat_template.jinja) and special tokens
+come along into the run's tokenizer_config.json, so that `chat` talks in the model's own template.
+What the engine cannot represent (biases, another activation, RoPE scaling, a vocabulary above
+65,536, ...) is refused in one line naming the field. A checkpoint
 without MTP heads gets n_mtp = 1 unless asked for more; heads 1..K-1 then start as copies of
 head 0, so every head starts from the model's own next-token prediction instead of noise.
 """
@@ -41,8 +44,8 @@ from nanoeuler_core.corpus.tokens import MAX_VOCAB
 from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.checkpoint import FORMAT, CheckpointError
 from nanoeuler_core.engine.config import ModelConfig
-from nanoeuler_core.inference import chat
 from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.inference.template import ChatTemplate
 from nanoeuler_core.text.tokenizer import Tokenizer, configured_eos
 from nanoeuler_core.training.pretrain import TrainConfig
 
@@ -90,32 +93,6 @@ def nanoeuler_name(hf: str) -> str | None:
 
 # ------------------------------------------------------------------------------------------------
 # export
-
-
-def chat_template() -> str:
-    """A Jinja chat template rendering a conversation exactly as `inference.chat.render` does, when
-    applied with add_generation_prompt=True (which appends the response header the reply follows)."""
-    instruction_head, instruction_tail = chat.INSTRUCTION.split("{}")  # a reply ends as an instruction does
-
-    def literal(text: str) -> str:
-        return json.dumps(text)  # a JSON string is a valid Jinja string literal
-
-    return (
-        "{%- for message in messages -%}"
-        "{%- if message['role'] != ['user', 'assistant'][loop.index0 % 2] -%}"
-        "{{ raise_exception('roles must alternate user, assistant, user, ... starting with the user') }}"
-        "{%- endif -%}"
-        "{%- endfor -%}"
-        f"{{{{ {literal(chat.PREAMBLE)} }}}}"
-        "{%- for message in messages -%}"
-        "{%- if message['role'] == 'user' -%}"
-        f"{{{{ {literal(instruction_head)} + message['content'] + {literal(instruction_tail)} }}}}"
-        "{%- else -%}"
-        f"{{{{ {literal(chat.RESPONSE)} + message['content'] + {literal(instruction_tail)} }}}}"
-        "{%- endif -%}"
-        "{%- endfor -%}"
-        f"{{%- if add_generation_prompt -%}}{{{{ {literal(chat.RESPONSE)} }}}}{{%- endif -%}}"
-    )
 
 
 def export_run(run_dir: Path, out_dir: Path, log: Callable[[str], None] = print) -> Path:
@@ -171,9 +148,9 @@ def export_run(run_dir: Path, out_dir: Path, log: Callable[[str], None] = print)
         "clean_up_tokenization_spaces": False,
         "model_max_length": cfg.ctx_len,
     }
-    fine_tuned = training.get("template") == chat.TEMPLATE
-    if fine_tuned:
-        tokenizer_config["chat_template"] = chat_template()
+    template = ChatTemplate.for_run(run_dir)
+    if template is not None:  # the special tokens it renders with, and itself
+        tokenizer_config |= {**template.special_tokens, "chat_template": template.source}
 
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.save_tensors(out_dir / "model.safetensors",
@@ -185,7 +162,7 @@ def export_run(run_dir: Path, out_dir: Path, log: Callable[[str], None] = print)
     checkpoint.write_json(out_dir / "generation_config.json", generation)
     checkpoint.write_json(out_dir / "config.json", config)  # last: its presence marks a complete export
     log(f"exported {run_dir} ({cfg.n_params():,} parameters, {cfg.n_mtp} head(s)) to {out_dir}"
-        + ("" if fine_tuned else "; no chat template (not a fine-tuned run)"))
+        + (f"; chat template: {template.name}" if template else "; no chat template (a pretrained run)"))
     return out_dir
 
 
@@ -342,17 +319,29 @@ def import_checkpoint(hf_dir: Path, out_dir: Path, n_mtp: int | None = None, ctx
             raise CheckpointError(f"{hf_dir}: {hf_name(name) or name} has shape {params[name].shape}, "
                                   f"config.json implies {shape}")
 
+    try:
+        template = ChatTemplate.from_folder(hf_dir)
+    except ValueError as exc:  # transformers, too, loads such a tokenizer, and fails only when it chats
+        log(f"warning: the chat template is not carried over ({exc}); chat with the run needs --template")
+        template = None
+
     # Continued pretraining (`pretrain --resume`) starts at step 0 with fresh AdamW moments and the
     # settings of the larger preset (peak lr 3e-4); sft and dpo take their own.
     training = {**asdict(TrainConfig(preset="gpu", steps=1000)), "imported_from": str(hf_dir)}
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(out_dir / "tokenizer.json")  # with tokenizer_config.json naming its end-of-text token
+    if template is not None:
+        template.save(out_dir)
     checkpoint.save_tensors(out_dir / "model.safetensors", {name: params[name] for name in expected})
     checkpoint.write_json(out_dir / "config.json", {"format": FORMAT, **cfg.to_dict(), "training": training})
     log(f"imported {hf_dir} ({cfg.n_params():,} parameters, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
         f"context {cfg.ctx_len}, {n_mtp} head(s)"
         + (f", heads 1..{n_mtp - 1} copied from head 0" if n_mtp > len(extra_heads) + 1 else "")
-        + f") to {out_dir}")
+        + f") to {out_dir}" + (f"; chats in its own template ({template.name})" if template else ""))
+    if tok.missing_bytes:
+        log(f"its tokenizer has no token for {len(tok.missing_bytes)} bytes "
+            f"({', '.join(f'0x{b:02x}' for b in tok.missing_bytes)}): text loses them when encoded, as in "
+            f"Hugging Face tokenizers")
     return out_dir
 
 

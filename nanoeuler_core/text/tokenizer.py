@@ -17,7 +17,9 @@ from a cache of encoded ones); `encode_batch` spreads large batches over all cor
 `Tokenizer.load` also reads byte-level BPE tokenizer.json files made elsewhere (`HFTokenizer`:
 the GPT-2, Llama 3 and SmolLM2 families, with their own vocabulary, merges, added tokens and
 pre-tokenizer: ByteLevel, Split on a regex, Digits, in a Sequence); they encode as Hugging Face
-`tokenizers` does with `encode(text, add_special_tokens=False)`.
+`tokenizers` does with `encode(text, add_special_tokens=False)`. Such a vocabulary may lack some
+byte tokens (bytes that never or hardly ever occur in UTF-8 text): encoding drops those bytes, as
+`tokenizers` does, so only text made of the bytes it has round-trips (`missing_bytes` lists them).
 
 Letters, numbers and spaces are those of the running Python's Unicode database (Unicode 14 on
 Python 3.11). Code points assigned in later Unicode versions count as punctuation-like here but
@@ -257,6 +259,15 @@ class Tokenizer:
         digest.update(orjson.dumps(self._specials))
         return digest.hexdigest()
 
+    @property
+    def missing_bytes(self) -> tuple[int, ...]:
+        """The bytes that have no token (none here: ids 0-255 are the bytes)."""
+        return ()
+
+    def token_id(self, token: str) -> int | None:
+        """The id of added token `token` (a special token such as `</s>` or `<|im_end|>`), or None."""
+        return self._added_ids.get(token)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for (a special token's text for specials)."""
         self._check_ids([token_id])
@@ -490,7 +501,8 @@ class HFTokenizer(Tokenizer):
     its own vocabulary, merges, added tokens and pre-tokenizer, encoding exactly as Hugging Face
     `tokenizers` does with `encode(text, add_special_tokens=False)` (a post-processor's template,
     such as a beginning-of-text token, is not added). Its end-of-text token is `eos` (default: a
-    usual name such as `</s>` or `<|endoftext|>` that it has)."""
+    usual name such as `</s>` or `<|endoftext|>` that it has). Bytes without a vocabulary entry
+    (`missing_bytes`) are dropped on encoding, or become the model's `unk_token` if it names one."""
 
     def __init__(self, document: dict, eos: str | None = None, source: str = "tokenizer.json"):
         def refuse(problem: str):
@@ -543,10 +555,15 @@ class HFTokenizer(Tokenizer):
             refuse(f"has no token with id {missing} (ids must run from 0 without gaps)")
         self._token_bytes = [token_bytes[i] for i in range(len(token_bytes))]
 
-        byte_ids = [vocab.get(char) for char in BYTE_TO_CHAR]
-        if None in byte_ids:
-            refuse(f"has no vocabulary entry for byte 0x{byte_ids.index(None):02x} (not a byte-level vocabulary)")
-        self._byte_ids = np.array(byte_ids, dtype=np.int32)
+        # A byte without a vocabulary entry is dropped from the text, as Hugging Face does (or becomes
+        # the unknown token, where the model names one); merges then join its neighbours.
+        self._byte_ids = np.array([vocab.get(char, -1) for char in BYTE_TO_CHAR], dtype=np.int32)
+        self._unk_id, self._fuse_unk = None, bool(model.get("fuse_unk"))
+        unk = model.get("unk_token")
+        if self.missing_bytes and unk is not None:
+            if unk not in vocab:
+                refuse(f"names unk_token {unk!r}, which is not in its vocabulary")
+            self._unk_id = vocab[unk]
 
         # Merge (left, right) -> (rank, id made); a pair listed twice keeps its last rank, as in Hugging Face.
         table: dict[tuple[int, int], tuple[int, int]] = {}
@@ -600,6 +617,11 @@ class HFTokenizer(Tokenizer):
         )
 
     @functools.cached_property
+    def missing_bytes(self) -> tuple[int, ...]:
+        """The bytes that have no token: text loses them on encoding (see `_byte_symbols`)."""
+        return tuple(np.flatnonzero(self._byte_ids < 0).tolist())
+
+    @functools.cached_property
     def hash(self) -> str:
         """Hex digest of the document and the end-of-text token: equal digests mean identical encodings."""
         digest = hashlib.sha256(orjson.dumps(self._document, option=orjson.OPT_SORT_KEYS))
@@ -624,6 +646,27 @@ class HFTokenizer(Tokenizer):
             config = {**(config if isinstance(config, dict) else {}), "eos_token": eos}
             _write_atomically(config_path, orjson.dumps(config, option=orjson.OPT_INDENT_2))
 
+    def _byte_symbols(self, data: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Words as bytes (`_word_table`) -> the same words as the ids merging starts from.
+
+        A byte without a token is dropped, or becomes the unknown token where the model names one
+        (a run of them one token, with fuse_unk): Hugging Face's BPE model (`merge_word`) does so."""
+        symbols = self._byte_ids[data]
+        missing = symbols < 0
+        if not missing.any():
+            return symbols, offsets
+        if self._unk_id is None:
+            keep = ~missing
+        else:
+            symbols[missing] = self._unk_id
+            keep = np.ones(len(symbols), bool)
+            if self._fuse_unk:  # a missing byte right after another in the same word joins its token
+                word_starts = np.zeros(len(symbols), bool)
+                word_starts[offsets[:-1][offsets[:-1] < len(symbols)]] = True
+                keep[1:] = ~(missing[1:] & missing[:-1] & ~word_starts[1:])
+        kept_before = np.concatenate(([0], np.cumsum(keep)))
+        return symbols[keep], kept_before[offsets]
+
     def _pretokenize(self, text: str) -> list[str]:
         pieces = [text] if text else []
         for step in self._steps:
@@ -632,8 +675,7 @@ class HFTokenizer(Tokenizer):
 
     def _encode_words(self, words: list[bytes]) -> list[tuple[int, ...]]:
         merged = [i for i, word in enumerate(words) if word not in self._whole_words]
-        symbols, offsets = _word_table([words[i] for i in merged])
-        symbols = self._byte_ids[symbols]
+        symbols, offsets = self._byte_symbols(*_word_table([words[i] for i in merged]))
         lengths = bpe_kernels.apply_merges_queued(symbols, offsets, self._pair_keys, self._pair_ranks, self._merged_ids)
         encoded = [(self._whole_words.get(word, -1),) for word in words]
         for i, ids in zip(merged, _split_words(symbols, offsets, lengths)):

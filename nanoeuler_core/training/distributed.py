@@ -5,10 +5,13 @@
 Each process (rank) holds the whole model. A step's global batch is ranks x micro-batches x
 --batch-size rows; rank r computes micro-batches r*K .. r*K + K - 1 of it and its gradients are
 summed in the model's buffer (nanoeuler_core.engine.optim); the optimizer then sums them over the
-ranks: MPI (mpi4py) all-reduces the host buffer for the CPU backends, NCCL (nccl4py) the device
-buffer for the CUDA backend, on the stream being captured, so the all-reduce is part of the
-step's CUDA graph. With ZeRO-1 (--zero 1) the gradients are reduce-scattered, each rank updates
-its shard of the parameters with its shard of the AdamW moments, and the shards are all-gathered.
+ranks with the backend's collectives: MPI (mpi4py) all-reduces the host buffer for the CPU
+backends, NCCL (nccl4py) the device buffer for the CUDA backend, on the stream being captured, so
+the all-reduce is part of the step's CUDA graph. Before anything else, each rank claims its share
+of the machine from the backend (one GPU per rank, by local rank; or its share of the cores) and
+the ranks check that no two of them drive the same device. With ZeRO-1 (--zero 1) the gradients
+are reduce-scattered, each rank updates its shard of the parameters with its shard of the AdamW
+moments, and the shards are all-gathered.
 
 Started without mpiexec, everything runs as one process and nothing here imports MPI.
 
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanoeuler_core import registry
-from nanoeuler_core.engine.optim import Collectives, shard
+from nanoeuler_core.collectives import Collectives
 
 # Set in every process that mpiexec starts: MPICH (Hydra) and Intel MPI, Open MPI, PMIx launchers.
 LAUNCHER_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
@@ -43,7 +46,6 @@ TIMEOUT_ENV = "NANOEULER_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0   # a step, an evaluation and a checkpoint must fit in it
 REPORT_DELAY_S = 3.0        # ranks other than 0 wait this long before reporting an error (see fail_together)
 INSTALL_HINT = "pip install 'nanoeuler[dist]'"
-INSTALL_HINT_CUDA = "pip install 'nanoeuler[cuda,dist-cuda]'"
 
 
 def launched_by_mpiexec() -> bool:
@@ -94,14 +96,18 @@ class World:
         return [obj] if self.mpi is None else self.mpi.allgather(obj)
 
     def prepare(self, backend: str) -> None:
-        """Share this machine among its ranks before any model exists: CPU threads for the CPU
-        backends, one GPU per rank (chosen by local rank) for "cuda"."""
+        """Share this machine among its ranks before any model exists, as the backend does it (one
+        GPU per rank, by local rank; the cores), then check that no two ranks of a machine drive
+        the same device: one line naming them if they do."""
         if self.mpi is None or self._device_ready:
             return
-        if backend == "cuda":
-            _select_gpu(self.local_rank, self.local_size)
-        else:
-            _share_cpu_threads(self.local_size)
+        device = registry.backend(backend).claim_device(self.local_rank, self.local_size)
+        claims = self.mpi.allgather((os.uname().nodename, device))
+        for r, claim in enumerate(claims):
+            if claim[1] and claim in claims[:r]:
+                raise ValueError(f"ranks {claims.index(claim)} and {r} both drive the device {claim[1]} on "
+                                 f"{claim[0]}: each rank needs a device of its own (CUDA_VISIBLE_DEVICES "
+                                 f"lists the GPUs the ranks of a machine share out)")
         self._device_ready = True
 
     def collectives(self, backend: str) -> Collectives | None:
@@ -111,7 +117,7 @@ class World:
         self.prepare(backend)
         self._collectives = self._collectives or {}
         if backend not in self._collectives:
-            self._collectives[backend] = NcclCollectives(self) if backend == "cuda" else MpiCollectives(self.mpi)
+            self._collectives[backend] = registry.backend(backend).collectives(self.mpi)
         return self._collectives[backend]
 
 
@@ -146,38 +152,6 @@ def _init_world() -> World:
                  local_size=local.Get_size(), mpi=comm)
 
 
-def _share_cpu_threads(local_size: int) -> None:
-    """Give each of the `local_size` ranks on this machine its share of the cores (Numba's
-    threads; OpenBLAS's where threadpoolctl is installed), unless the user chose a count."""
-    if local_size <= 1 or any(name in os.environ for name in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS")):
-        return
-    import numba
-
-    threads = max(1, (os.cpu_count() or 1) // local_size)
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return
-    threadpool_limits(threads, user_api="blas")
-
-
-def _select_gpu(local_rank: int, local_size: int) -> None:
-    """Make GPU `local_rank` current for Numba and cuda.core (before anything touches a GPU)."""
-    import numba
-    from numba import cuda
-
-    n_gpus = len(cuda.gpus)
-    if local_size > n_gpus:
-        raise ValueError(f"{local_size} ranks on this machine but {n_gpus} GPU{'s' if n_gpus != 1 else ''}: "
-                         f"start at most one rank per GPU (mpiexec -n {n_gpus})")
-    cuda.select_device(local_rank)
-    if not numba.config.ENABLE_CUDASIM:
-        from cuda.core import Device
-
-        Device(local_rank).set_current()  # the device cuda.core (graphs) and NCCL work on
-
-
 def memory_line(model, optimizer) -> str:
     """What each rank holds: parameters, gradients and AdamW moments (its shard of them with
     ZeRO-1) and, on GPUs, the device memory in use on each rank's GPU. Every rank must call it."""
@@ -185,92 +159,10 @@ def memory_line(model, optimizer) -> str:
     state = 2 * (optimizer.hi - optimizer.lo) * item
     line = (f"memory per rank: parameters and gradients {2 * model.n_params * item / 1e6:,.1f} MB, AdamW moments "
             f"{state / 1e6:,.1f} MB" + (f" (1/{optimizer.comm.size} of them)" if optimizer.zero else ""))
-    if model.backend_name == "cuda":
-        import numba
-
-        if not numba.config.ENABLE_CUDASIM:
-            from numba import cuda
-
-            free, total = cuda.current_context().get_memory_info()
-            in_use = world().allgather(total - free)
-            line += "; GPU memory in use " + ", ".join(f"{b / 1e9:.2f}" for b in in_use) + " GB (by rank)"
+    in_use = world().allgather(model.backend.memory_in_use())
+    if in_use[0] is not None:
+        line += "; device memory in use " + ", ".join(f"{b / 1e9:.2f}" for b in in_use) + " GB (by rank)"
     return line
-
-
-# ------------------------------------------------------------------------------------------------
-# communicators (the engine's Collectives)
-
-
-class MpiCollectives:
-    """Collectives over MPI on host (NumPy) arrays: the CPU and reference backends."""
-
-    def __init__(self, comm):
-        from mpi4py import MPI
-
-        self.comm, self.MPI = comm, MPI
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-
-    def all_reduce_sum(self, buf) -> None:
-        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-
-    def reduce_scatter_sum(self, buf) -> None:
-        lo, hi = shard(buf.size, self.rank, self.size)
-        mine = np.empty(hi - lo, dtype=buf.dtype)  # MPI forbids a receive buffer inside the send buffer
-        self.comm.Reduce_scatter_block(buf, mine, op=self.MPI.SUM)
-        buf[lo:hi] = mine
-
-    def all_gather(self, buf) -> None:
-        self.comm.Allgather(self.MPI.IN_PLACE, buf)
-
-    def host_sum(self, values: np.ndarray) -> np.ndarray:
-        values = np.ascontiguousarray(values)
-        total = np.empty_like(values)
-        self.comm.Allreduce(values, total, op=self.MPI.SUM)
-        return total
-
-    def host_concat(self, values: np.ndarray) -> np.ndarray:
-        values = np.ascontiguousarray(values)
-        out = np.empty(self.size * values.size, dtype=values.dtype)
-        self.comm.Allgather(values, out)
-        return out
-
-
-class NcclCollectives:
-    """Collectives over NCCL on CUDA device arrays (one GPU per rank), host arrays over MPI.
-
-    Device collectives go to the stream that the backend's kernels go to at that moment: the
-    graph builder's stream while the training step is captured, so they replay with the graph.
-    """
-
-    def __init__(self, world: World):
-        try:
-            import nccl.core as nccl
-        except ImportError:
-            raise ValueError(f"the cuda backend under mpiexec needs nccl4py: {INSTALL_HINT_CUDA}") from None
-        self.nccl = nccl
-        self.rank, self.size = world.rank, world.size
-        self.backend = registry.backend("cuda")
-        self.host = MpiCollectives(world.mpi)
-        uid = nccl.get_unique_id() if world.rank == 0 else None
-        uid = world.mpi.bcast(uid, root=0)
-        self.comm = nccl.Communicator.init(world.size, world.rank, uid)
-
-    def all_reduce_sum(self, buf) -> None:
-        self.comm.allreduce(buf, buf, self.nccl.SUM, stream=self.backend.stream_handle())
-
-    def reduce_scatter_sum(self, buf) -> None:
-        lo, hi = shard(buf.size, self.rank, self.size)
-        self.comm.reduce_scatter(buf, buf[lo:hi], self.nccl.SUM, stream=self.backend.stream_handle())  # in place
-
-    def all_gather(self, buf) -> None:
-        lo, hi = shard(buf.size, self.rank, self.size)
-        self.comm.allgather(buf[lo:hi], buf, stream=self.backend.stream_handle())  # in place
-
-    def host_sum(self, values: np.ndarray) -> np.ndarray:
-        return self.host.host_sum(values)
-
-    def host_concat(self, values: np.ndarray) -> np.ndarray:
-        return self.host.host_concat(values)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Direct Preference Optimization (DPO): training on pairs of a preferred and a rejected response.
 
-A pair is a prompt (Alpaca instruction, optional input) with a `chosen` and a `rejected`
-response. Each response is scored by its summed log-probability (`</s>` included) under the
+A pair is a prompt (an instruction, optional input, rendered in the base run's chat template as
+SFT renders it: Alpaca unless the run has its own) with a `chosen` and a `rejected` response. Each
+response is scored by its summed log-probability (the end-of-turn token included) under the
 policy being trained and under the reference model, the starting weights, frozen. The reference
 never changes, so its scores are computed once, before training. Each step:
 
@@ -33,9 +34,10 @@ import numpy as np
 from nanoeuler_core import registry
 from nanoeuler_core.engine.optim import lr_at
 from nanoeuler_core.corpus.records import read_records, text_fields
-from nanoeuler_core.inference.chat import TEMPLATE, render_prompt
+from nanoeuler_core.inference.template import ChatTemplate, render_prompt
 from nanoeuler_core.training import distributed
-from nanoeuler_core.training.sft import Encoded, collate, encode_example, epoch_indices, new_run_from, split_heldout
+from nanoeuler_core.training.sft import (Encoded, collate, encode_example, epoch_indices, new_run_from, sft_template,
+                                        split_heldout)
 from nanoeuler_core.training.pretrain import Bookkeeping, Run, TrainConfig, rows_per_step
 
 
@@ -48,6 +50,7 @@ class Pair:
 
     @property
     def prompt(self) -> str:
+        """The prompt in the Alpaca template (`ChatTemplate.instruction_prompt` renders it in another)."""
         return render_prompt(self.instruction, self.input)
 
 
@@ -89,10 +92,15 @@ class EncodedPairs:
         return collate(sequences, self.pad_id)
 
 
-def encode_pairs(tok, pairs: list[Pair], ctx_len: int) -> tuple[EncodedPairs, int]:
-    """The pairs as sequences, and how many sequences were truncated to fit the context."""
-    chosen = [encode_example(tok, p.prompt, p.chosen, ctx_len) for p in pairs]
-    rejected = [encode_example(tok, p.prompt, p.rejected, ctx_len) for p in pairs]
+def encode_pairs(tok, pairs: list[Pair], ctx_len: int, template: ChatTemplate | None = None
+                 ) -> tuple[EncodedPairs, int]:
+    """The pairs as sequences in `template` (default Alpaca), and how many sequences were truncated
+    to fit the context."""
+    template = template or ChatTemplate.alpaca()
+    chat_tok = template.tokenizer(tok)
+    prompts = [template.instruction_prompt(p.instruction, p.input) for p in pairs]
+    chosen = [encode_example(chat_tok, prompt, p.chosen, ctx_len) for prompt, p in zip(prompts, pairs)]
+    rejected = [encode_example(chat_tok, prompt, p.rejected, ctx_len) for prompt, p in zip(prompts, pairs)]
     return EncodedPairs(chosen, rejected, tok.eos_id), sum(s.truncated for s in chosen + rejected)
 
 
@@ -198,11 +206,13 @@ def start_dpo(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, beta: 
     if not beta > 0:
         raise ValueError(f"--beta must be positive, got {beta}")
     train_pairs, heldout_pairs = split_heldout(load_pairs(data), tc.val_fraction)
-    model, tok, optimizer = new_run_from(base_dir, out_dir, tc, {"stage": "dpo", "template": TEMPLATE,
-                                                                 "beta": beta, "data": str(data)}, log)
+    template = sft_template(base_dir)
+    model, tok, optimizer = new_run_from(base_dir, out_dir, tc, {"stage": "dpo", "beta": beta, "data": str(data)},
+                                         log, template)
     ctx_len = model.cfg.ctx_len
-    train_enc, n_truncated = encode_pairs(tok, train_pairs, ctx_len)
-    heldout_enc, n_truncated_heldout = encode_pairs(tok, heldout_pairs, ctx_len) if heldout_pairs else (None, 0)
+    train_enc, n_truncated = encode_pairs(tok, train_pairs, ctx_len, template)
+    heldout_enc, n_truncated_heldout = (encode_pairs(tok, heldout_pairs, ctx_len, template) if heldout_pairs
+                                        else (None, 0))
     log(f"data {data}: {len(train_pairs)} training and {len(heldout_pairs)} held-out pairs"
         + (f"; {n_truncated + n_truncated_heldout} sequences truncated from the prompt side to fit {ctx_len} tokens"
            if n_truncated + n_truncated_heldout else ""))

@@ -31,10 +31,13 @@ from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.checkpoint import CheckpointError
 from nanoeuler_core.engine.config import PRESETS, ModelConfig
 from nanoeuler_core.corpus.tokens import BatchLoader, check_length, default_corpus, load_tokens
-from nanoeuler_core.engine.model import Model, usable_backend
+from nanoeuler_core.engine.optim import AdamW, lr_at
 from nanoeuler_core.inference.loading import load_model
-from nanoeuler_core.engine.optim import AdamW, TrainStep, lr_at
+from nanoeuler_core.inference.model import Model
+from nanoeuler_core import registry
+from nanoeuler_core.registry import usable_backend
 from nanoeuler_core.training import distributed
+from nanoeuler_core.training.step import TrainStep
 
 @dataclass
 class TrainConfig:
@@ -89,14 +92,17 @@ class TrainConfig:
             raise ValueError(f"--eval-hellaswag-every must be non-negative, got {self.eval_hellaswag_every}")
 
     def resolve_precision(self) -> None:
-        """Fix `precision` to what the backend runs (its default if unset); ValueError if it cannot."""
+        """Fix `precision` to what the backend runs (its default if unset); ValueError if it cannot.
+        Under mpiexec the rank first claims its device: nothing may start a GPU before that."""
+        distributed.world().prepare(self.backend)
         backend = usable_backend(self.backend)
-        self.precision = backend.check_precision(self.precision or backend.default_precision)
+        self.precision = backend.check_precision(self.precision or backend.default_precision).name
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        if "tf32" in d and "precision" not in d:   # runs written before precisions had names
-            d = {**d, "precision": "tf32" if d["tf32"] and d.get("backend") == "cuda" else "fp32"}
+        if "tf32" in d and "precision" not in d:   # runs written before precisions had names: their flag
+            tf32 = d["tf32"] and "tf32" in registry.backend(d.get("backend", "cpu")).implements   # counted where it ran
+            d = {**d, "precision": "tf32" if tf32 else "fp32"}
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -163,7 +169,6 @@ def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print
     run_dir = Path(run_dir)
     job = distributed.world()
     tc.resolve_precision()  # the backend and precision are checked before minutes of tokenizer training
-    job.prepare(tc.backend)
     if job.rank == 0:
         if (run_dir / "config.json").exists():
             raise ValueError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or choose another --out")
@@ -208,9 +213,8 @@ def resume_run(run_dir: Path, overrides: dict, log: Callable[[str], None] = prin
         if overrides.get("backend", training.get("backend")) != training.get("backend"):
             overrides["precision"] = None
     tc = TrainConfig.from_dict({**training, **overrides})
-    tc.resolve_precision()
     job = distributed.world()
-    job.prepare(tc.backend)
+    tc.resolve_precision()
     if job.rank == 0:  # finish or undo a checkpoint that a crash interrupted, before anyone reads it
         checkpoint.recover(run_dir, checkpoint.CHECKPOINT_FILES)
     job.barrier()

@@ -1,7 +1,11 @@
 """Supervised fine-tuning (SFT) on instruction data in the Alpaca format.
 
-Each example (instruction, optional input, output) is rendered with the standard Alpaca
-template; the response is the output followed by `</s>`. The model is trained on the whole
+Each example (instruction, optional input, output) is rendered with a chat template
+(nanoeuler_core/inference/template.py): `--template` ("alpaca" or a Jinja file), else the base
+run's own (an imported instruct model's, or the one it was fine-tuned with), else the standard
+Alpaca template. A Jinja template gets the instruction as a user message (the input after a blank
+line); the response is the output followed by the template's end-of-turn token (`</s>` for Alpaca,
+`<|im_end|>` for ChatML). The model is trained on the whole
 sequence but the loss counts the response tokens only: every target that predicts a prompt
 token, and every padding target, is -1 (SPEC.md section 1). An example longer than the context
 loses tokens from the start of its prompt (the response is kept whole where it fits).
@@ -12,7 +16,8 @@ loses tokens from the start of its prompt (the response is kept whole where it f
     targets = -1 ... -1     r0 r1 ... </s>   (the sequence minus its first token; -1 before r0)
 
 Fine-tuning starts from a pretrained run directory and writes a new one in the same format, its
-config.json marking `"template": "alpaca"` so that `chat` wraps what the user types the same way.
+config.json marking `"template": "alpaca"` (or "chat_template", the Jinja template then saved in
+its tokenizer_config.json) so that `chat` wraps what the user types the same way.
 The last `val_fraction` of the examples are held out: validation loss and exact-match accuracy.
 """
 
@@ -28,8 +33,9 @@ import numpy as np
 from nanoeuler_core.corpus.records import read_records, text_fields
 from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.config import PRESETS
-from nanoeuler_core.inference.chat import TEMPLATE, render_prompt
+from nanoeuler_core.inference.generate import generate
 from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.inference.template import ChatTemplate, render_prompt
 from nanoeuler_core.training import distributed
 from nanoeuler_core.training.pretrain import Run, TrainConfig, make_optimizer, rows_per_step
 
@@ -49,6 +55,7 @@ class Example:
 
     @property
     def prompt(self) -> str:
+        """The prompt in the Alpaca template (`ChatTemplate.instruction_prompt` renders it in another)."""
         return render_prompt(self.instruction, self.input)
 
 
@@ -98,9 +105,14 @@ def encode_example(tok, prompt: str, response: str, ctx_len: int) -> Encoded:
     return Encoded(np.array(ids, dtype=np.int64), n_prompt, truncated)
 
 
-def encode_examples(tok, examples: list[Example], ctx_len: int) -> tuple[list[Encoded], int]:
-    """Every example as a sequence, and how many of them were truncated to fit the context."""
-    sequences = [encode_example(tok, e.prompt, e.output, ctx_len) for e in examples]
+def encode_examples(tok, examples: list[Example], ctx_len: int, template: ChatTemplate | None = None
+                    ) -> tuple[list[Encoded], int]:
+    """Every example as a sequence in `template` (default Alpaca), and how many of them were
+    truncated to fit the context."""
+    template = template or ChatTemplate.alpaca()
+    chat_tok = template.tokenizer(tok)  # prompts encode as chat sends them; responses end with the end-of-turn token
+    sequences = [encode_example(chat_tok, template.instruction_prompt(e.instruction, e.input), e.output, ctx_len)
+                 for e in examples]
     return sequences, sum(s.truncated for s in sequences)
 
 
@@ -164,10 +176,12 @@ class SFTLoader:
 # runs
 
 
-def new_run_from(base_dir: Path, out_dir: Path, tc: TrainConfig, stage: dict, log: Callable[[str], None]):
+def new_run_from(base_dir: Path, out_dir: Path, tc: TrainConfig, stage: dict, log: Callable[[str], None],
+                 template: ChatTemplate | None = None):
     """The base run's model and tokenizer, a fresh optimizer, and `out_dir` started as a new run
-    directory holding them; `stage` (what kind of fine-tuning, on which data) joins the training
-    section of its config.json. Returns (model, tok, optimizer). Under mpiexec, rank 0 writes."""
+    directory holding them; `stage` (what kind of fine-tuning, on which data) and the name of the
+    chat `template` join the training section of its config.json (a Jinja template is saved in its
+    tokenizer_config.json). Returns (model, tok, optimizer). Under mpiexec, rank 0 writes."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     job = distributed.world()
     job.prepare(tc.backend)
@@ -183,6 +197,9 @@ def new_run_from(base_dir: Path, out_dir: Path, tc: TrainConfig, stage: dict, lo
     if job.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         tok.save(out_dir / "tokenizer.json")
+        if template is not None:
+            template.save(out_dir)
+            stage = {**stage, "template": template.training_name}
         model.save(out_dir, training={**asdict(tc), "base": str(base_dir), **stage})
         (out_dir / "metrics.jsonl").write_bytes(b"")
     return model, tok, optimizer
@@ -201,17 +218,24 @@ def fine_tune_config(base_dir: Path, **settings) -> TrainConfig:
     return tc
 
 
-def start_sft(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print
-              ) -> tuple[Run, list[Example]]:
-    """A fine-tuning run in `out_dir` from the run in `base_dir`, ready for `train.train`; returns
-    it with the held-out examples (the last `tc.val_fraction` of the data file)."""
+def sft_template(base_dir: Path, choice: str | Path | None = None) -> ChatTemplate:
+    """The template fine-tuning renders examples in: `choice` ("alpaca" or a Jinja file), else the
+    base run's own, else Alpaca."""
+    return ChatTemplate.for_run(base_dir, choice) or ChatTemplate.alpaca()
+
+
+def start_sft(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print,
+              template: ChatTemplate | None = None) -> tuple[Run, list[Example]]:
+    """A fine-tuning run in `out_dir` from the run in `base_dir`, ready for `train.train`, its
+    examples rendered in `template` (default: `sft_template(base_dir)`); returns it with the
+    held-out examples (the last `tc.val_fraction` of the data file)."""
+    template = template or sft_template(base_dir)
     examples = load_examples(data)
     train_examples, heldout = split_heldout(examples, tc.val_fraction)
-    model, tok, optimizer = new_run_from(base_dir, out_dir, tc, {"stage": "sft", "template": TEMPLATE,
-                                                                 "data": str(data)}, log)
+    model, tok, optimizer = new_run_from(base_dir, out_dir, tc, {"stage": "sft", "data": str(data)}, log, template)
     ctx_len = model.cfg.ctx_len
-    train_seqs, n_truncated = encode_examples(tok, train_examples, ctx_len)
-    heldout_seqs, n_truncated_heldout = encode_examples(tok, heldout, ctx_len)
+    train_seqs, n_truncated = encode_examples(tok, train_examples, ctx_len, template)
+    heldout_seqs, n_truncated_heldout = encode_examples(tok, heldout, ctx_len, template)
     log(f"data {data}: {len(train_examples)} training and {len(heldout)} held-out examples"
         + (f"; {n_truncated + n_truncated_heldout} truncated from the prompt side to fit {ctx_len} tokens"
            if n_truncated + n_truncated_heldout else ""))
@@ -224,16 +248,21 @@ def start_sft(base_dir: Path, data: Path, out_dir: Path, tc: TrainConfig, log: C
 # evaluation
 
 
-def exact_match(model, tok, examples: list[Example]) -> tuple[float, dict[str, float]]:
-    """Fraction of examples whose greedy response (up to `</s>`) equals the expected output,
-    surrounding whitespace ignored; overall and per task label."""
+def exact_match(model, tok, examples: list[Example], template: ChatTemplate | None = None
+                ) -> tuple[float, dict[str, float]]:
+    """Fraction of examples whose greedy response in `template` (default Alpaca; up to its
+    end-of-turn token) equals the expected output, surrounding whitespace ignored; overall and per
+    task label."""
     if not examples:
         raise ValueError("no held-out examples to evaluate: raise --val-fraction or add examples")
+    template = template or ChatTemplate.alpaca()
+    chat_tok = template.tokenizer(tok)
     hits: dict[str, list[bool]] = {}
     for e in examples:
         expected = e.output.strip()
-        # room for the answer, </s> and a stray space: a longer reply is wrong anyway
-        reply = model.generate(tok, e.prompt, max_new_tokens=len(tok.encode(expected)) + 2, temperature=0.0)
+        # room for the answer, the end of turn and a stray space: a longer reply is wrong anyway
+        reply = generate(model, chat_tok, template.instruction_prompt(e.instruction, e.input),
+                         max_new_tokens=len(tok.encode(expected)) + 2, temperature=0.0)
         hits.setdefault(e.task or "all", []).append(reply.strip() == expected)
     every = [h for task_hits in hits.values() for h in task_hits]
     return float(np.mean(every)), {task: float(np.mean(h)) for task, h in sorted(hits.items())}

@@ -9,10 +9,10 @@ def forward(x, branch, w, *, eps):
     return (s, y), (s, rstd)
 
 
-def backward(dout, saved, x, branch, w, *, eps):
+def backward(dout, saved, x, branch, w, *, eps, into=None):
     ds, dy = dout
     s, rstd = saved
-    dx, dw = rmsnorm.backward(dy, (rstd,), s, w, eps=eps)
+    dx, dw = rmsnorm.backward(dy, (rstd,), s, w, eps=eps, into=(None, into[2]) if into else None)
     if ds is not None:
         dx, _ = add.forward(dx, ds)
     return dx, dx, dw

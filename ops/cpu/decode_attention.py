@@ -11,7 +11,7 @@ from numba import njit
 
 from nanoeuler_ops.cpu.common import REDUCE_FASTMATH, exp32
 from nanoeuler_ops.decode_attention import check_shapes
-from nanoeuler_ops.rope import cos_sin
+from nanoeuler_ops.qkv_rope import cos_sin
 
 
 @lru_cache(maxsize=8)

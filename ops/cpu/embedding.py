@@ -17,14 +17,16 @@ def _forward(ids, table, out):
 
 
 @njit(parallel=True, cache=True)
-def _backward(order, starts, dout, dtable):
+def _backward(order, starts, dout, dtable, accumulate):
     # order (N,) positions sorted by id, starts (V+1,): id v was at positions order[starts[v]:starts[v+1]];
-    # dout (N, C) -> dtable (V, C). Each thread owns whole rows of dtable, so a repeated id never has
-    # two threads adding into one element, and every row is summed in position order (deterministic).
+    # dout (N, C) -> dtable (V, C) (+ dtable with accumulate). Each thread owns whole rows of dtable, so
+    # a repeated id never has two threads adding into one element, and every row is summed in position
+    # order (deterministic).
     V, C = dtable.shape
     for v in prange(V):
-        for c in range(C):
-            dtable[v, c] = 0.0
+        if not accumulate:
+            for c in range(C):
+                dtable[v, c] = 0.0
         for k in range(starts[v], starts[v + 1]):
             n = order[k]
             for c in range(C):
@@ -38,9 +40,10 @@ def forward(ids, table):
     return out, ()
 
 
-def backward(dout, saved, ids, table):
+def backward(dout, saved, ids, table, *, into=None):
     order = np.argsort(ids, kind="stable")
     starts = np.searchsorted(ids[order], np.arange(table.shape[0] + 1))
-    dtable = np.empty(table.shape, dtype=table.dtype)
-    _backward(order, starts, dout, dtable)
+    dtable_into = into[1] if into else None
+    dtable = np.empty(table.shape, dtype=table.dtype) if dtable_into is None else dtable_into
+    _backward(order, starts, dout, dtable, dtable_into is not None)
     return None, dtable

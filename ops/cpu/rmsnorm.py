@@ -3,6 +3,7 @@
 import numpy as np
 from numba import njit, prange
 
+from nanoeuler_ops import accumulated
 from nanoeuler_ops.cpu.common import n_chunks
 
 
@@ -48,9 +49,9 @@ def forward(x, w, *, eps):
     return y, (rstd,)
 
 
-def backward(dy, saved, x, w, *, eps):
+def backward(dy, saved, x, w, *, eps, into=None):
     (rstd,) = saved
     dx = np.empty_like(x)
     dw_partial = np.empty((n_chunks(x.shape[0]), x.shape[1]), dtype=x.dtype)
     _backward(dy, x, w, rstd, dx, dw_partial)
-    return dx, dw_partial.sum(axis=0)
+    return accumulated((dx, dw_partial.sum(axis=0)), into)

@@ -2,22 +2,34 @@
 kernels (one module per op, named as in `cpu/`), matrix products through cuBLAS.
 
 Importing this package stays cheap (the registry imports it on every start): numba.cuda is
-imported only when a backend method runs or an op's kernels are first used. With
+imported only when a backend method runs or an op's kernels are first used, and nothing here
+initialises the CUDA driver before `claim_device` has chosen this process's GPU. With
 NUMBA_ENABLE_CUDASIM=1 the same kernels run, slowly, on Numba's CUDA simulator.
 """
 
+import os
 from contextlib import contextmanager
 
 import numpy as np
 
-from nanoeuler_core.registry import Backend
+from nanoeuler_core import registry
+from nanoeuler_core.registry import Backend, Precision
 
 TENSOR_CORE_CAPABILITY = (8, 0)   # bf16 and TF32 tensor cores (Ampere and newer)
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"   # one folder per GPU the driver has, readable without CUDA
 
 
 class CudaBackend(Backend):
     name = "cuda"
     dtype = np.float32
+    kernel_packages = ("nanoeuler_ops.cuda",)
+    install_hint = "it needs an NVIDIA GPU and pip install 'nanoeuler[cuda]'"
+    implements = ("fp32", "tf32", "bf16")   # tf32 and bf16 where the GPU has tensor cores
+    multi_token_step_cheap = True   # reading the weights dominates a step: K tokens cost about what 1 does
+    peer_device = "cuda"
+
+    def __init__(self) -> None:
+        self.precision: Precision = registry.FP32   # what the kernels launched now compute in (see `computing`)
 
     def available(self) -> bool:
         try:
@@ -26,47 +38,47 @@ class CudaBackend(Backend):
             return False
         return cuda.is_available()
 
+    # -------------------------------------------------------------------- precision
+
     @property
-    def precisions(self) -> tuple[str, ...]:
+    def precisions(self) -> tuple[Precision, ...]:
         from nanoeuler_ops.cuda import runtime
         if runtime.SIMULATOR or runtime.compute_capability() >= TENSOR_CORE_CAPABILITY:
-            return ("fp32", "tf32", "bf16")
-        return ("fp32",)
+            return (registry.FP32, registry.TF32, registry.BF16)
+        return (registry.FP32,)
 
     @property
-    def default_precision(self) -> str:
-        return "bf16" if "bf16" in self.precisions else "fp32"
+    def default_precision(self) -> Precision:
+        return registry.BF16 if registry.BF16 in self.precisions else registry.FP32
 
-    def check_precision(self, precision: str) -> str:
+    def check_precision(self, name) -> Precision:
         from nanoeuler_ops.cuda import runtime
-        if precision in ("tf32", "bf16") and precision not in self.precisions:
+
+        p = registry.precision(name)
+        if p is not registry.FP32 and p not in self.precisions:
             major, minor = runtime.compute_capability()
-            raise ValueError(f"--precision {precision} needs tensor cores of compute capability 8.0 or newer; "
+            raise ValueError(f"--precision {p.name} needs tensor cores of compute capability 8.0 or newer; "
                              f"this GPU is {major}.{minor}: use --precision fp32")
-        return super().check_precision(precision)
-
-    def stream_handle(self) -> int:
-        from nanoeuler_ops.cuda import runtime
-        return runtime.stream_handle()
+        return super().check_precision(p)
 
     @contextmanager
-    def matmul_mode(self, precision: str):
-        from nanoeuler_ops.cuda import cublas
-        saved, cublas.ALLOW_TF32 = cublas.ALLOW_TF32, precision == "tf32"
+    def computing(self, precision: Precision):
+        saved, self.precision = self.precision, precision
         try:
             yield
         finally:
-            cublas.ALLOW_TF32 = saved
+            self.precision = saved
 
-    def asarray(self, host, dtype=None):
+    # -------------------------------------------------------------------- arrays
+
+    def asarray(self, host, storage=None):
         from numba import cuda
 
         from nanoeuler_ops.cuda import runtime
         host = np.asarray(host)
-        if dtype == "bf16":
+        if storage == "bf16" and host.dtype.kind == "f":
             return cuda.to_device(runtime.bf16_bits(host))
-        if dtype is None:
-            dtype = {"f": self.dtype, "i": np.int64, "u": np.int64}.get(host.dtype.kind, host.dtype)
+        dtype = {"f": self.dtype, "i": np.int64, "u": np.int64}.get(host.dtype.kind, host.dtype)
         return cuda.to_device(np.ascontiguousarray(host, dtype=dtype))
 
     def to_host(self, arr):
@@ -78,6 +90,10 @@ class CudaBackend(Backend):
         from nanoeuler_ops.cuda import runtime
         return runtime.zeros(shape, runtime.BF16 if dtype == "bf16" else dtype or self.dtype)
 
+    def zero_(self, arr) -> None:
+        from nanoeuler_ops.cuda import runtime
+        runtime.fill(arr, 0)
+
     def copy_(self, dst, src) -> None:
         from nanoeuler_ops.cuda import runtime
         if not isinstance(src, np.ndarray):
@@ -88,6 +104,14 @@ class CudaBackend(Backend):
             raise RuntimeError("host data cannot be copied inside a captured CUDA graph; copy it before replaying")
         else:
             dst.copy_to_device(np.ascontiguousarray(src, dtype=dst.dtype))
+
+    def synchronize(self) -> None:
+        from numba import cuda
+        cuda.synchronize()
+
+    def stream_handle(self) -> int:
+        from nanoeuler_ops.cuda import runtime
+        return runtime.stream_handle()
 
     def capture(self, fn):
         """Run fn() once while recording its buffers, then capture it as a CUDA graph.
@@ -119,9 +143,66 @@ class CudaBackend(Backend):
 
         return replay, result
 
-    def synchronize(self) -> None:
+    # -------------------------------------------------------------------- traits
+
+    def claim_device(self, local_rank: int, local_size: int) -> str:
+        """Make GPU `local_rank` of this machine the only one this process sees (CUDA_VISIBLE_DEVICES,
+        set before the driver starts), so that every buffer, kernel and NCCL call of the rank is on
+        it whatever library allocates; returns the GPU's UUID."""
+        import numba
         from numba import cuda
-        cuda.synchronize()
+        from numba.cuda.cudadrv import driver
+
+        if numba.config.ENABLE_CUDASIM:   # one simulated GPU, shared by nothing
+            if local_size > len(cuda.gpus):
+                raise _too_many_ranks(local_size, len(cuda.gpus))
+            return ""
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if not driver.driver.is_initialized:
+            n_gpus = len(visible) if visible else len(os.listdir(NVIDIA_GPUS)) if os.path.isdir(NVIDIA_GPUS) else None
+            if n_gpus is not None and local_size > n_gpus:
+                raise _too_many_ranks(local_size, n_gpus)
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible[local_rank] if visible else str(local_rank)
+            if not cuda.is_available() or len(cuda.gpus) == 0:
+                raise ValueError(f"rank {local_rank} of this machine sees no GPU (CUDA_VISIBLE_DEVICES="
+                                 f"{os.environ['CUDA_VISIBLE_DEVICES']}): start at most one rank per GPU")
+            cuda.select_device(0)
+        else:   # CUDA started before the ranks were known (an embedding program): choose by ordinal
+            if local_size > len(cuda.gpus):
+                raise _too_many_ranks(local_size, len(cuda.gpus))
+            cuda.select_device(local_rank)
+            from cuda.core import Device
+
+            Device(local_rank).set_current()
+        return cuda.get_current_device().uuid
+
+    def collectives(self, comm):
+        from nanoeuler_ops.cuda.collectives import NcclCollectives
+
+        return NcclCollectives(comm, self)
+
+    def memory_in_use(self) -> int | None:
+        from nanoeuler_ops.cuda import runtime
+        if runtime.SIMULATOR:
+            return None
+        from numba import cuda
+
+        free, total = cuda.current_context().get_memory_info()
+        return total - free
+
+    def memory_limit(self) -> int | None:
+        return None
+
+    def device_name(self) -> str:
+        from numba import cuda
+
+        name = cuda.get_current_device().name
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _too_many_ranks(local_size: int, n_gpus: int) -> ValueError:
+    return ValueError(f"{local_size} ranks on this machine but {n_gpus} GPU{'s' if n_gpus != 1 else ''}: "
+                      f"start at most one rank per GPU (mpiexec -n {n_gpus})")
 
 
 BACKEND = CudaBackend()

@@ -15,7 +15,7 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import block_sum
+from nanoeuler_ops.cuda.runtime import block_reduce
 
 THREADS = 256
 MAX_PARTIALS = 1024
@@ -25,11 +25,12 @@ CLIP_EPS = 1e-6
 @cuda.jit(cache=True)
 def _sum_squares(grads, partial):
     # grads (P,) -> partial (blocks,): each block's sum of squares, grid-stride over grads
+    scratch = cuda.shared.array(32, float64)
     total = float64(0.0)
     for i in range(cuda.grid(1), grads.shape[0], cuda.gridsize(1)):
         g = float64(grads[i])
         total += g * g
-    total = block_sum(total)
+    total = block_reduce(total, False, scratch)
     if cuda.threadIdx.x == 0:
         partial[cuda.blockIdx.x] = total
 
@@ -37,10 +38,11 @@ def _sum_squares(grads, partial):
 @cuda.jit(cache=True)
 def _total(partial, sum_squares):
     # partial (blocks,) -> sum_squares (1,) float64 = sum of partials; a single block
+    scratch = cuda.shared.array(32, float64)
     total = float64(0.0)
     for i in range(cuda.threadIdx.x, partial.shape[0], cuda.blockDim.x):
         total += partial[i]
-    total = block_sum(total)
+    total = block_reduce(total, False, scratch)
     if cuda.threadIdx.x == 0:
         sum_squares[0] = total
 

@@ -10,8 +10,8 @@ def forward(x, branch, w, *, eps):
     return rmsnorm.add_forward(x, branch, w, eps=eps)
 
 
-def backward(dout, saved, x, branch, w, *, eps):
+def backward(dout, saved, x, branch, w, *, eps, into=None):
     ds, dy = dout
     s, rstd = saved
-    dx, dw = rmsnorm.backward(dy, (rstd,), s, w, eps=eps, ds=ds)
+    dx, dw = rmsnorm.backward(dy, (rstd,), s, w, eps=eps, ds=ds, into=(None, into[2]) if into else None)
     return dx, dx, dw

@@ -1,35 +1,131 @@
 """FlashAttention forward and backward on the GPU (FlashAttention-2 blocking). See ops/attention.py for the math.
 
-No (T, S) matrix is ever stored: a thread block stages a tile of query rows (or keys) in shared
-memory and streams tiles of the other side past it, and each thread computes a 4 x 4 register tile
-of their products, so every value read from shared memory feeds several multiply-adds. Tiles
-wholly in the causal future are never loaded. Query head h reads key/value head h // (H // KV) in
-place: repeated K/V are never materialised.
+Two families of kernels compute it, each a forward kernel and two backward kernels (dq, then
+dk/dv), launched the same way (Family.launch):
+  SIMT          float32 arithmetic on fp32 or bf16 storage, any head size: each thread computes
+                4 x 4 register tiles of products staged in shared memory (simt_kernels).
+  tensor-core   bf16 storage, head size a multiple of 16: each warp multiplies 16-row tiles with
+                mma.sync m16n8k16 (mma_kernels).
+`forward` and `backward` below take the tensor-core family where it serves the inputs, else the SIMT one.
 
-Kernels:
-  _forward   block = TILE query rows of one (b, h), streaming TILE keys per step; the online
-             softmax (running max and sum per row) stays in registers; writes o and lse.
-  _dq        block = TILE query rows of one (b, h), streaming TILE keys per step;
-             P recomputed from lse; first Di = rowsum(do * o), the FlashAttention-2 backward's
-             correction term, for its rows (written out for _dkdv).
-  _dkdv      block = TILE keys of one (b, kv head), streaming TILE query rows per step
-             of every query head of its group, so the group's gradients add up in registers:
-             no atomics, no races.
-Each kernel keeps its tiles (read as 16-byte quads) in ~70-100 KB of dynamic shared memory, a limit
-raised once per compiled kernel. Each streamed tile is loaded once, into registers while the
-previous one is still being multiplied. The head size D is a compile-time constant (register tiles
-are unrolled), so each D gets its own kernels.
+In both, no (T, S) matrix is ever stored: a thread block keeps a tile of query rows (or keys) and
+streams tiles of the other side past it through shared memory. Tiles wholly in the causal future
+are never loaded. Query head h reads key/value head h // (H // KV) in place: repeated K/V are never
+materialised.
+  forward   block = a tile of query rows of one (b, h), streaming tiles of keys; the online
+            softmax (running max and sum per row) stays in registers; writes o and lse.
+  dq        block = a tile of query rows of one (b, h), streaming tiles of keys; P recomputed
+            from lse; first Di = rowsum(do * o), the FlashAttention-2 backward's correction term,
+            for its rows (written out for dkdv).
+  dkdv      block = a tile of keys of one (b, kv head), streaming tiles of query rows of every
+            query head of its group, so the group's gradients add up in registers: no atomics,
+            no races.
+Each streamed tile is loaded once, into registers while the previous one is still being
+multiplied. The tiles live in dynamic shared memory (runtime.launch raises a kernel's limit past
+48 KB). The head size D is a compile-time constant (register tiles are unrolled), so each
+family's factory compiles its kernels for one D.
 """
 
 import math
 from functools import cache
+from typing import Callable, NamedTuple
 
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
 from nanoeuler_ops.attention import check_shapes
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import stored, to_f32
+from nanoeuler_ops.cuda.runtime import bf16x2_values, mma_bf16, pack_bf16x2, quad_max, quad_sum, stored, to_f32
+
+SHARED_ALIGN = None if runtime.SIMULATOR else 16   # 16-byte aligned shared memory (the simulator takes no alignment)
+MASKED = -1e30   # the score of a key in a row's causal future: exp() of it is 0, and unlike -inf it stays
+                 # well defined under fastmath
+
+
+# ================================================================ dispatch
+
+def forward(q, k, v):
+    check_shapes(q, k, v)
+    B, T, H, D = q.shape
+    S, KV = k.shape[1], k.shape[2]
+    o = runtime.empty(q.shape, q.dtype)
+    lse = runtime.empty((B, H, T), np.float32)
+    scale = float32(1.0 / math.sqrt(D))
+    family = _family(q)
+    x = family.tensor
+    # The tile index is the grid's slow dimension: the blocks with the most keys start first
+    family.launch(family.kernels(D).forward, (B * H, T), (x(q), x(k), x(v)), (T, S, H, KV), scale, (x(o), lse))
+    return o, (o, lse)
+
+
+def backward(do, saved, q, k, v):
+    o, lse = saved
+    B, T, H, D = q.shape
+    S, KV = k.shape[1], k.shape[2]
+    scale = float32(1.0 / math.sqrt(D))
+    di = runtime.empty((B, H, T), np.float32)
+    dq = runtime.empty(q.shape, q.dtype)
+    dk = runtime.empty(k.shape, k.dtype)
+    dv = runtime.empty(v.shape, v.dtype)
+    family = _family(q)
+    kernels, x = family.kernels(D), family.tensor
+    # As in the forward: blocks start roughly in index order, so those with the most causal steps
+    # start first and the grid ends on short ones
+    family.launch(kernels.dq, (B * H, T), (x(do), x(q), x(k), x(v), x(o), lse), (T, S, H, KV), scale, (x(dq), di))
+    family.launch(kernels.dkdv, (B * KV, S), (x(do), x(q), x(k), x(v), lse, di), (T, S, H, KV), scale,
+                  (x(dk), x(dv)))
+    return dq, dk, dv
+
+
+def _family(q) -> "Family":
+    """The tensor-core family where it serves the inputs, else the SIMT one."""
+    return MMA_FAMILY if mma_supported(q) else SIMT_FAMILY
+
+
+class Kernel(NamedTuple):
+    function: object    # the @cuda.jit kernel
+    shared_bytes: int   # the dynamic shared memory it takes
+
+
+class FlashKernels(NamedTuple):
+    """A family's kernels for one head size D. Each takes its inputs, the sizes T, S, H, KV (where
+    the family's kernels take them), the float32 scale 1/sqrt(D), then its outputs; tensors q, o,
+    do, dq are (B, T, H, D), k, v, dk, dv (B, S, KV, D), in the family's form; lse, di (B, H, T)."""
+    forward: Kernel   # q, k, v -> o, lse
+    dq: Kernel        # do, q, k, v, o, lse -> dq, di
+    dkdv: Kernel      # do, q, k, v, lse, di -> dk, dv
+
+
+class Family(NamedTuple):
+    """A family of FlashAttention kernels and how they are launched."""
+    kernels: Callable    # head size D -> its FlashKernels, compiled for D
+    rows: int            # rows of a block's tile: query rows (forward, dq) or keys (dkdv)
+    threads: int         # threads per block
+    tensor: Callable     # a tensor in the form the family's kernels take it
+    takes_sizes: bool    # whether the kernels take T, S, H, KV (else they read them from the tensors' shapes)
+
+    def launch(self, kernel: Kernel, grid, inputs, sizes, scale, outputs) -> None:
+        """kernel(*inputs, *sizes, scale, *outputs) on the current stream, grid = (heads, rows):
+        `heads` blocks by the tiles of `rows` rows."""
+        heads, rows = grid
+        args = (*inputs, *sizes, scale, *outputs) if self.takes_sizes else (*inputs, scale, *outputs)
+        runtime.launch(kernel.function, (heads, runtime.blocks_for(rows, self.rows)), self.threads, *args,
+                       shared_bytes=kernel.shared_bytes)
+
+
+@cuda.jit(device=True, inline=True)
+def _zero(acc):
+    # a register tile of accumulators (either family's) <- 0
+    for i in range(acc.shape[0]):
+        for j in range(acc.shape[1]):
+            acc[i, j] = 0.0
+
+
+# ================================================================ SIMT FlashAttention-2 (float32 arithmetic)
+#
+# A block of THREADS threads computes a TILE x TILE tile of products at a time, each thread a 4 x 4
+# register tile of it, so every value read from shared memory feeds several multiply-adds. Tiles
+# are read from shared memory as 16-byte quads; a kernel takes ~70-170 KB of it.
 
 # TILE query rows x TILE keys per step; thread (ty, tx) owns the row quads ty + TILE_NY*n
 # (a quad = 4 neighbouring rows), and the columns tx + TILE_NX*n of a score tile or the column
@@ -40,10 +136,6 @@ THREADS = TILE_NY * TILE_NX
 # extra warps hide more latency than the few spilled registers cost (the simulator takes no limit)
 JIT_OPTIONS = {} if runtime.SIMULATOR else {"max_registers": 128}
 QUAD = 4
-SHARED_ALIGN = None if runtime.SIMULATOR else 16   # 16-byte aligned shared memory (the simulator takes no alignment)
-STATIC_SHARED_LIMIT = 48 * 1024   # bytes a kernel gets without raising its dynamic shared memory limit
-MASKED = -1e30   # the score of a key in a row's causal future: exp() of it is 0, and unlike -inf it stays
-                 # well defined under fastmath
 
 
 @cuda.jit(device=True, inline=True)
@@ -94,22 +186,10 @@ def _cols_padded(D: int) -> int:
 
 
 if runtime.SIMULATOR:
-    @cuda.jit(device=True)
     def _row_reduce(values, take_max):
-        # The simulator has no shuffles: a row's threads exchange through shared memory (every
+        # values[i] <- its max (or sum) over the TILE_NX threads of register-tile row i (every
         # thread of the block must call this)
-        slots = cuda.shared.array(THREADS, float32)
-        tid = cuda.threadIdx.x
-        first = tid - tid % TILE_NX
-        for i in range(values.shape[0]):
-            cuda.syncthreads()
-            slots[tid] = values[i]
-            cuda.syncthreads()
-            total = slots[first]
-            for lane in range(first + 1, first + TILE_NX):
-                total = max(total, slots[lane]) if take_max else total + slots[lane]
-            values[i] = total
-        cuda.syncthreads()
+        values[:] = runtime.simulated_reduce(values, TILE_NX, take_max)
 else:
     @cuda.jit(device=True, inline=True)
     def _row_reduce(values, take_max):
@@ -124,15 +204,10 @@ else:
 
 
 @cache
-def _kernels(D: int):
-    """The three attention kernels compiled for head size D, each with its shared memory bytes."""
+def simt_kernels(D: int) -> FlashKernels:
+    """The SIMT forward, dq and dk/dv kernels for head size D, each with the dynamic shared memory
+    (bytes) it takes. They take tensors as they are, fp32 or bf16 storage."""
     DPB = _cols_padded(D)
-
-    @cuda.jit(device=True, inline=True)
-    def zero(acc):
-        for i in range(acc.shape[0]):
-            for j in range(acc.shape[1]):
-                acc[i, j] = 0.0
 
     # Every kernel keeps its tiles in one dynamic shared buffer. Tiles staged once per block are
     # k-major (the summed index first), so a thread's four neighbouring rows are one aligned 16-byte
@@ -148,7 +223,7 @@ def _kernels(D: int):
     product_over_tile = _quad_product(mi, dj, False)     # tile x head-dim products over the tile's keys or rows
 
     @cuda.jit(device=True, inline=True)
-    def fetch(values, x, b, row0, head, n_rows, scale, tid):
+    def fetch_tile(values, x, b, row0, head, n_rows, scale, tid):
         # values[n] = scale * x[b, row0 + r, head, d] for element i = tid + n * THREADS = r * DPB + d
         # of a TILE x DPB tile; zero past n_rows and D. The load reads a clamped, in-bounds element
         # and the value is dropped outside, so no branch separates the loads; unsigned indices skip
@@ -161,7 +236,7 @@ def _kernels(D: int):
             values[n] = value * scale if row < n_rows and d < D else float32(0.0)
 
     @cuda.jit(device=True, inline=True)
-    def put(sh, base, values, transposed, tid):
+    def put_tile(sh, base, values, transposed, tid):
         # the fetched tile into sh[base + d * TW + r] if transposed else sh[base + r * DW + d]
         for n in range(per_thread):
             i = uint64(tid + n * THREADS)
@@ -175,7 +250,7 @@ def _kernels(D: int):
     forward_shared_bytes = 4 * (FWD_PT + TILE * TW)
 
     @cuda.jit(fastmath=True, **JIT_OPTIONS)
-    def forward_kernel(q, k, v, scale, o, lse):
+    def simt_forward_kernel(q, k, v, scale, o, lse):
         # q (B, T, H, D), k, v (B, S, KV, D) -> o (B, T, H, D), lse (B, H, T);
         # grid (B * H, T / TILE), THREADS threads: TILE query rows against TILE keys per step
         B, T, H, _ = q.shape
@@ -193,20 +268,20 @@ def _kernels(D: int):
         tile_max = cuda.local.array(mi, float32)   # each row's max over the tile's keys
         k_next = cuda.local.array(per_thread, float32)   # the next key tile (first q, on its way to q^T)
         v_next = cuda.local.array(per_thread, float32)
-        zero(acc)
+        _zero(acc)
         for i in range(mi):
             row_max[i] = MASKED
             row_sum[i] = 0.0
-        fetch(k_next, q, b, t0, h, T, scale, tid)
-        put(sh, FWD_QT, k_next, True, tid)
-        fetch(k_next, k, b, 0, kv, S, float32(1.0), tid)
-        fetch(v_next, v, b, 0, kv, S, float32(1.0), tid)
-        put(sh, FWD_K, k_next, False, tid)
-        put(sh, FWD_V, v_next, False, tid)
+        fetch_tile(k_next, q, b, t0, h, T, scale, tid)
+        put_tile(sh, FWD_QT, k_next, True, tid)
+        fetch_tile(k_next, k, b, 0, kv, S, float32(1.0), tid)
+        fetch_tile(v_next, v, b, 0, kv, S, float32(1.0), tid)
+        put_tile(sh, FWD_K, k_next, False, tid)
+        put_tile(sh, FWD_V, v_next, False, tid)
         keys_end = min(S, (S - T) + t0 + TILE)   # the block's newest visible key + 1
         for s0 in range(0, keys_end, TILE):
             cuda.syncthreads()
-            zero(scores)
+            _zero(scores)
             product_over_dims(scores, sh, FWD_QT, TW, FWD_K, DW, ty, tx, D)
             for i in range(mi):
                 last_key = (S - T) + t0 + _quad_index(ty, TILE_NY, i)
@@ -234,14 +309,14 @@ def _kernels(D: int):
                         sh[uint64(FWD_PT + c * TW + r) + uint64(n)] = scores[i0 + n, j]
             has_next = s0 + TILE < keys_end
             if has_next:
-                fetch(k_next, k, b, s0 + TILE, kv, S, float32(1.0), tid)
-                fetch(v_next, v, b, s0 + TILE, kv, S, float32(1.0), tid)
+                fetch_tile(k_next, k, b, s0 + TILE, kv, S, float32(1.0), tid)
+                fetch_tile(v_next, v, b, s0 + TILE, kv, S, float32(1.0), tid)
             cuda.syncthreads()
             product_over_tile(acc, sh, FWD_PT, TW, FWD_V, DW, ty, tx, TILE)
             cuda.syncthreads()   # k, v and P^T are read: the next keys take their place
             if has_next:
-                put(sh, FWD_K, k_next, False, tid)
-                put(sh, FWD_V, v_next, False, tid)
+                put_tile(sh, FWD_K, k_next, False, tid)
+                put_tile(sh, FWD_V, v_next, False, tid)
         _row_reduce(row_sum, False)   # each row's whole sum
         for i in range(mi):
             t = t0 + _quad_index(ty, TILE_NY, i)
@@ -261,7 +336,7 @@ def _kernels(D: int):
     dq_shared_bytes = 4 * (DQ_DST + TILE * TW)
 
     @cuda.jit(fastmath=True, **JIT_OPTIONS)
-    def dq_kernel(do, q, k, v, o, lse, scale, dq, di):
+    def simt_dq_kernel(do, q, k, v, o, lse, scale, dq, di):
         # do, q, o (B, T, H, D), k, v (B, S, KV, D), lse (B, H, T) -> dq (B, T, H, D), di (B, H, T);
         # grid (B * H, T / TILE), THREADS threads: TILE query rows against TILE keys per step
         B, T, H, _ = q.shape
@@ -280,17 +355,17 @@ def _kernels(D: int):
         ds_quad = cuda.local.array(QUAD, float32)
         k_next = cuda.local.array(per_thread, float32)   # the next key tile (first q, do and o, on their way)
         v_next = cuda.local.array(per_thread, float32)
-        zero(acc)
-        fetch(k_next, q, b, t0, h, T, scale, tid)
-        put(sh, DQ_QT, k_next, True, tid)
+        _zero(acc)
+        fetch_tile(k_next, q, b, t0, h, T, scale, tid)
+        put_tile(sh, DQ_QT, k_next, True, tid)
         # Di = rowsum(do * o) of the block's rows: the products go row by row where k will be, one
-        # thread sums each row; dkdv_kernel reads Di from global memory after this kernel
-        fetch(k_next, do, b, t0, h, T, float32(1.0), tid)
-        fetch(v_next, o, b, t0, h, T, float32(1.0), tid)
-        put(sh, DQ_DOT, k_next, True, tid)
+        # thread sums each row; simt_dkdv_kernel reads Di from global memory after this kernel
+        fetch_tile(k_next, do, b, t0, h, T, float32(1.0), tid)
+        fetch_tile(v_next, o, b, t0, h, T, float32(1.0), tid)
+        put_tile(sh, DQ_DOT, k_next, True, tid)
         for n in range(per_thread):
             v_next[n] *= k_next[n]
-        put(sh, DQ_K, v_next, False, tid)
+        put_tile(sh, DQ_K, v_next, False, tid)
         cuda.syncthreads()
         if tid < TILE:
             total = float32(0.0)
@@ -304,15 +379,15 @@ def _kernels(D: int):
             t = t0 + _quad_index(ty, TILE_NY, i)
             row_lse[i] = lse[b, h, t] if t < T else float32(0.0)
             row_di[i] = sh[DQ_DST + _quad_index(ty, TILE_NY, i)]
-        fetch(k_next, k, b, 0, kv, S, float32(1.0), tid)
-        fetch(v_next, v, b, 0, kv, S, float32(1.0), tid)
-        put(sh, DQ_K, k_next, False, tid)
-        put(sh, DQ_V, v_next, False, tid)
+        fetch_tile(k_next, k, b, 0, kv, S, float32(1.0), tid)
+        fetch_tile(v_next, v, b, 0, kv, S, float32(1.0), tid)
+        put_tile(sh, DQ_K, k_next, False, tid)
+        put_tile(sh, DQ_V, v_next, False, tid)
         keys_end = min(S, (S - T) + t0 + TILE)
         for s0 in range(0, keys_end, TILE):
             cuda.syncthreads()
-            zero(scores)
-            zero(dp)
+            _zero(scores)
+            _zero(dp)
             product_over_dims(scores, sh, DQ_QT, TW, DQ_K, DW, ty, tx, D)
             product_over_dims(dp, sh, DQ_DOT, TW, DQ_V, DW, ty, tx, D)
             for j in range(mj):
@@ -327,14 +402,14 @@ def _kernels(D: int):
                         sh[uint64(DQ_DST + c * TW + r) + uint64(n)] = ds_quad[n]
             has_next = s0 + TILE < keys_end
             if has_next:
-                fetch(k_next, k, b, s0 + TILE, kv, S, float32(1.0), tid)
-                fetch(v_next, v, b, s0 + TILE, kv, S, float32(1.0), tid)
+                fetch_tile(k_next, k, b, s0 + TILE, kv, S, float32(1.0), tid)
+                fetch_tile(v_next, v, b, s0 + TILE, kv, S, float32(1.0), tid)
             cuda.syncthreads()
             product_over_tile(acc, sh, DQ_DST, TW, DQ_K, DW, ty, tx, TILE)
             cuda.syncthreads()   # k and dS^T are read: the next keys take their place
             if has_next:
-                put(sh, DQ_K, k_next, False, tid)
-                put(sh, DQ_V, v_next, False, tid)
+                put_tile(sh, DQ_K, k_next, False, tid)
+                put_tile(sh, DQ_V, v_next, False, tid)
         for i in range(mi):
             t = t0 + _quad_index(ty, TILE_NY, i)
             for j in range(dj):
@@ -354,23 +429,23 @@ def _kernels(D: int):
     dkdv_shared_bytes = 4 * (KV_DI + TILE)
 
     @cuda.jit(device=True, inline=True)
-    def fetch_rows(q_next, do_next, q, do, lse, di, b, h, t0, T, scale, tid):
+    def fetch_query_tile(q_next, do_next, q, do, lse, di, b, h, t0, T, scale, tid):
         # one step's query tile of q and do into registers, and (threads tid < TILE) its row's lse, di
-        fetch(q_next, q, b, t0, h, T, scale, tid)
-        fetch(do_next, do, b, t0, h, T, float32(1.0), tid)
+        fetch_tile(q_next, q, b, t0, h, T, scale, tid)
+        fetch_tile(do_next, do, b, t0, h, T, float32(1.0), tid)
         inside = tid < TILE and t0 + tid < T
         return (lse[b, h, t0 + tid] if inside else float32(0.0)), (di[b, h, t0 + tid] if inside else float32(0.0))
 
     @cuda.jit(device=True, inline=True)
-    def put_rows(sh, q_next, do_next, lse_next, di_next, tid):
-        put(sh, KV_Q, q_next, False, tid)
-        put(sh, KV_DO, do_next, False, tid)
+    def put_query_tile(sh, q_next, do_next, lse_next, di_next, tid):
+        put_tile(sh, KV_Q, q_next, False, tid)
+        put_tile(sh, KV_DO, do_next, False, tid)
         if tid < TILE:
             sh[KV_LSE + tid] = lse_next
             sh[KV_DI + tid] = di_next
 
     @cuda.jit(fastmath=True, **JIT_OPTIONS)
-    def dkdv_kernel(do, q, k, v, lse, di, scale, dk, dv):
+    def simt_dkdv_kernel(do, q, k, v, lse, di, scale, dk, dv):
         # do, q (B, T, H, D), k, v (B, S, KV, D), lse, di (B, H, T) -> dk, dv (B, S, KV, D);
         # grid (B * KV, S / TILE), THREADS threads: TILE keys against TILE query rows per
         # step, over every query head of the group, so the group's gradients add up in registers
@@ -392,22 +467,22 @@ def _kernels(D: int):
         ds_quad = cuda.local.array(QUAD, float32)
         q_next = cuda.local.array(per_thread, float32)   # the next query tile (first k and v, on their way to k^T, v^T)
         do_next = cuda.local.array(per_thread, float32)
-        zero(dk_acc)
-        zero(dv_acc)
-        fetch(q_next, k, b, s0, kv, S, float32(1.0), tid)
-        put(sh, KV_KT, q_next, True, tid)
-        fetch(q_next, v, b, s0, kv, S, float32(1.0), tid)
-        put(sh, KV_VT, q_next, True, tid)
+        _zero(dk_acc)
+        _zero(dv_acc)
+        fetch_tile(q_next, k, b, s0, kv, S, float32(1.0), tid)
+        put_tile(sh, KV_KT, q_next, True, tid)
+        fetch_tile(q_next, v, b, s0, kv, S, float32(1.0), tid)
+        put_tile(sh, KV_VT, q_next, True, tid)
         first_query = max(0, s0 - (S - T))   # earlier queries see none of this block's keys
         tiles = (T - first_query + TILE - 1) // TILE   # query tiles per head
         h0 = kv * group
-        lse_next, di_next = fetch_rows(q_next, do_next, q, do, lse, di, b, h0, first_query, T, scale, tid)
-        put_rows(sh, q_next, do_next, lse_next, di_next, tid)
+        lse_next, di_next = fetch_query_tile(q_next, do_next, q, do, lse, di, b, h0, first_query, T, scale, tid)
+        put_query_tile(sh, q_next, do_next, lse_next, di_next, tid)
         for step in range(group * tiles):
             t0 = first_query + (step % tiles) * TILE
             cuda.syncthreads()
-            zero(scores)
-            zero(dp)
+            _zero(scores)
+            _zero(dp)
             product_over_dims(scores, sh, KV_KT, TW, KV_Q, DW, ty, tx, D)
             product_over_dims(dp, sh, KV_VT, TW, KV_DO, DW, ty, tx, D)
             for j in range(mj):
@@ -429,14 +504,14 @@ def _kernels(D: int):
             has_next = step + 1 < group * tiles
             if has_next:
                 next_step = step + 1
-                lse_next, di_next = fetch_rows(q_next, do_next, q, do, lse, di, b, h0 + next_step // tiles,
+                lse_next, di_next = fetch_query_tile(q_next, do_next, q, do, lse, di, b, h0 + next_step // tiles,
                                                first_query + (next_step % tiles) * TILE, T, scale, tid)
             cuda.syncthreads()
             product_over_tile(dv_acc, sh, KV_P, TW, KV_DO, DW, ty, tx, TILE)
             product_over_tile(dk_acc, sh, KV_DS, TW, KV_Q, DW, ty, tx, TILE)
             cuda.syncthreads()   # q, do, P and dS are read: the next query tile takes their place
             if has_next:
-                put_rows(sh, q_next, do_next, lse_next, di_next, tid)
+                put_query_tile(sh, q_next, do_next, lse_next, di_next, tid)
         for i in range(mi):
             s = s0 + _quad_index(ty, TILE_NY, i)
             for j in range(dj):
@@ -445,86 +520,18 @@ def _kernels(D: int):
                     dk[b, s, kv, d] = stored(dk, dk_acc[i, j])
                     dv[b, s, kv, d] = stored(dv, dv_acc[i, j])
 
-    return (forward_kernel, forward_shared_bytes), (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes)
+    return FlashKernels(Kernel(simt_forward_kernel, forward_shared_bytes), Kernel(simt_dq_kernel, dq_shared_bytes),
+                        Kernel(simt_dkdv_kernel, dkdv_shared_bytes))
 
 
-def _words(x):
-    """A bf16 array as one flat run of uint32 words, each two neighbouring elements of its last axis."""
-    return x.reshape(x.size).view(np.uint32)
+SIMT_FAMILY = Family(simt_kernels, TILE, THREADS, tensor=lambda x: x, takes_sizes=False)
 
 
-def forward(q, k, v):
-    check_shapes(q, k, v)
-    B, T, H, D = q.shape
-    o = runtime.empty(q.shape, q.dtype)
-    lse = runtime.empty((B, H, T), np.float32)
-    scale = float32(1.0 / math.sqrt(D))
-    # The tile index is the grid's slow dimension: the blocks with the most keys start first
-    if mma_supported(q):
-        S, KV = k.shape[1], k.shape[2]
-        kernel, shared_bytes = _mma_kernels(D)[0]
-        _launch_with_shared(kernel, (B * H, runtime.blocks_for(T, MMA_ROWS)), MMA_THREADS, shared_bytes,
-                            _words(q), _words(k), _words(v), T, S, H, KV, scale, _words(o), lse)
-    else:
-        kernel, shared_bytes = _kernels(D)[0]
-        _launch_with_shared(kernel, (B * H, runtime.blocks_for(T, TILE)), THREADS, shared_bytes,
-                            q, k, v, scale, o, lse)
-    return o, (o, lse)
-
-
-_shared_limit_raised = set()
-
-
-def _launch_with_shared(kernel, blocks, threads, shared_bytes, *args):
-    """runtime.launch with `shared_bytes` of dynamic shared memory, first raising the compiled
-    kernel's limit where that is above the default (once per kernel and argument types)."""
-    if shared_bytes > STATIC_SHARED_LIMIT and not runtime.SIMULATOR:
-        compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-        if compiled not in _shared_limit_raised:
-            from cuda.bindings import driver as cu   # the driver API numba-cuda itself runs on
-
-            function = compiled.library.get_cufunc()
-            attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            (status,) = cu.cuKernelSetAttribute(attribute, shared_bytes, function.handle, function.device.id)
-            if status != cu.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"attention: cannot give a kernel {shared_bytes} bytes of shared memory: {status}")
-            _shared_limit_raised.add(compiled)
-    runtime.launch(kernel, blocks, threads, *args, shared_bytes=shared_bytes)
-
-
-def backward(do, saved, q, k, v):
-    o, lse = saved
-    B, T, H, D = q.shape
-    S, KV = k.shape[1], k.shape[2]
-    scale = float32(1.0 / math.sqrt(D))
-    di = runtime.empty((B, H, T), np.float32)
-    dq = runtime.empty(q.shape, q.dtype)
-    dk = runtime.empty(k.shape, k.dtype)
-    dv = runtime.empty(v.shape, v.dtype)
-    # As in the forward: blocks start roughly in index order, so those with the most causal steps
-    # start first and the grid ends on short ones
-    if mma_supported(q):
-        _, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes) = _mma_kernels(D)
-        _launch_with_shared(dq_kernel, (B * H, runtime.blocks_for(T, MMA_ROWS)), MMA_THREADS, dq_shared_bytes,
-                            _words(do), _words(q), _words(k), _words(v), _words(o), lse, T, S, H, KV, scale,
-                            _words(dq), di)
-        _launch_with_shared(dkdv_kernel, (B * KV, runtime.blocks_for(S, MMA_ROWS)), MMA_THREADS, dkdv_shared_bytes,
-                            _words(do), _words(q), _words(k), _words(v), lse, di, T, S, H, KV, scale,
-                            _words(dk), _words(dv))
-        return dq, dk, dv
-    _, (dq_kernel, dq_shared_bytes), (dkdv_kernel, dkdv_shared_bytes) = _kernels(D)
-    _launch_with_shared(dq_kernel, (B * H, runtime.blocks_for(T, TILE)), THREADS, dq_shared_bytes,
-                        do, q, k, v, o, lse, scale, dq, di)
-    _launch_with_shared(dkdv_kernel, (B * KV, runtime.blocks_for(S, TILE)), THREADS, dkdv_shared_bytes,
-                        do, q, k, v, lse, di, scale, dk, dv)
-    return dq, dk, dv
-
-
-# ------------------------------------------------------------------------------------------------
-# bf16 on the tensor cores (FlashAttention-2 with mma.sync m16n8k16; see runtime's fragment layout)
+# ================================================================ tensor-core FlashAttention-2 (bf16, mma.sync)
 #
-# A block is 4 warps; each warp owns 16 rows of a 64-row tile (query rows in the forward and in
-# _mma_dq, keys in _mma_dkdv) and streams 64-column tiles of the other side through shared memory.
+# bf16 on the tensor cores with mma.sync m16n8k16 (see runtime's fragment layout). A block is 4
+# warps; each warp owns 16 rows of a 64-row tile (query rows in the forward and dq kernels, keys in
+# the dk/dv kernel) and streams 64-column tiles of the other side through shared memory.
 # The row side's operands (q and do, or k and v) stay in registers as A fragments for the whole
 # kernel; a product's float32 accumulators become the next product's A fragments in registers
 # (P for P V, dS for dS K): the FlashAttention-2 register reuse, no shared-memory round trip.
@@ -545,11 +552,9 @@ def mma_supported(q) -> bool:
 
 
 @cache
-def _mma_kernels(D: int):
+def mma_kernels(D: int) -> FlashKernels:
     """The bf16 tensor-core forward, dq and dk/dv kernels for head size D, each with the dynamic
-    shared memory (bytes) it takes."""
-    from nanoeuler_ops.cuda.runtime import bf16x2_values, mma_bf16, pack_bf16x2, quad_max, quad_sum
-
+    shared memory (bytes) it takes. They take tensors as flat uint32 words (_words)."""
     W = D // 2                     # words per row of a tile over the head dims
     WS = W + MMA_PAD               # its shared row stride (words)
     NT = MMA_ROWS // 2 + MMA_PAD   # shared row stride of a transposed tile (words of two rows)
@@ -632,13 +637,7 @@ def _mma_kernels(D: int):
                 dst[base + u64(rb) * stride + w] = pack_bf16x2(acc[dn, 2] * scale, acc[dn, 3] * scale)
 
     @cuda.jit(device=True, inline=True)
-    def zero(acc):
-        for i in range(acc.shape[0]):
-            for j in range(4):
-                acc[i, j] = f32(0.0)
-
-    @cuda.jit(device=True, inline=True)
-    def product_over_dims(acc, frag, sh, base, g, t):
+    def mma_over_dims(acc, frag, sh, base, g, t):
         # acc[n] += (A = the warp's 16 rows over D) x (B = tile rows 8n .. 8n+7, stored row by row)^T
         lane_base = base + u64(g * WS + t)
         for n in range(NR):
@@ -650,7 +649,7 @@ def _mma_kernels(D: int):
                 acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3] = c[0], c[1], c[2], c[3]
 
     @cuda.jit(device=True, inline=True)
-    def product_over_rows(acc, scores, sh, base, g, t):
+    def mma_over_rows(acc, scores, sh, base, g, t):
         # acc[dn] += (A = scores, 16 x 64 float32 accumulators, rounded to bf16) x (B = the streamed tile's
         # 64 rows over head dims 8dn .. 8dn+7, stored transposed)
         lane_base = base + u64(g * NT + t)
@@ -669,7 +668,7 @@ def _mma_kernels(D: int):
     FWD_STAGE = ROWS_TILE + T_TILE
 
     @cuda.jit(fastmath=True)
-    def forward(q, k, v, T, S, H, KV, scale, o, lse):
+    def mma_forward_kernel(q, k, v, T, S, H, KV, scale, o, lse):
         # q, o (B*T*H*D/2,) and k, v (B*S*KV*D/2,) words of bf16 pairs, lse (B, H, T) float32;
         # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step
         b, h = cuda.blockIdx.x // H, cuda.blockIdx.x % H
@@ -692,7 +691,7 @@ def _mma_kernels(D: int):
         fetch_pairs(v_lo, v_hi, v, b, 0, S, kv, KV, tid)
         put_rows(sh, u64(0), k_lo, k_hi, tid)
         put_transposed(sh, u64(ROWS_TILE), v_lo, v_hi, tid)
-        zero(acc)
+        _zero(acc)
         top_a, top_b = f32(MASKED), f32(MASKED)     # running max of rows g and g + 8 (scaled scores)
         sum_a, sum_b = f32(0.0), f32(0.0)           # this lane's share of their running sums
         last_a, last_b = (S - T) + r0 + g, (S - T) + r0 + g + 8   # the last key each row sees
@@ -704,8 +703,8 @@ def _mma_kernels(D: int):
             if has_next:
                 fetch_pairs(k_lo, k_hi, k, b, s0 + MMA_ROWS, S, kv, KV, tid)
                 fetch_pairs(v_lo, v_hi, v, b, s0 + MMA_ROWS, S, kv, KV, tid)
-            zero(scores)
-            product_over_dims(scores, q_frag, sh, stage, g, t)
+            _zero(scores)
+            mma_over_dims(scores, q_frag, sh, stage, g, t)
             tile_a, tile_b = f32(MASKED), f32(MASKED)
             for n in range(NR):
                 for c in range(2):
@@ -730,7 +729,7 @@ def _mma_kernels(D: int):
                     scores[n, c + 2] = math.exp(scores[n, c + 2] - top_b)
                     sum_a += scores[n, c]
                     sum_b += scores[n, c + 2]
-            product_over_rows(acc, scores, sh, stage + u64(ROWS_TILE), g, t)
+            mma_over_rows(acc, scores, sh, stage + u64(ROWS_TILE), g, t)
             if has_next:
                 other = u64(FWD_STAGE) - stage
                 put_rows(sh, other, k_lo, k_hi, tid)
@@ -752,7 +751,7 @@ def _mma_kernels(D: int):
     DQ_STAGE = 2 * ROWS_TILE + T_TILE
 
     @cuda.jit(fastmath=True)
-    def dq_kernel(do, q, k, v, o, lse, T, S, H, KV, scale, dq, di):
+    def mma_dq_kernel(do, q, k, v, o, lse, T, S, H, KV, scale, dq, di):
         # do, q, o, dq (B*T*H*D/2,) and k, v (B*S*KV*D/2,) words of bf16 pairs, lse, di (B, H, T) float32;
         # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step.
         # Di = rowsum(do * o), the FlashAttention-2 backward's correction, is written for the dk/dv kernel.
@@ -799,7 +798,7 @@ def _mma_kernels(D: int):
                 di[b, h, rb] = row_di_b
         row_lse_a = lse[b, h, min(ra, T - 1)]
         row_lse_b = lse[b, h, min(rb, T - 1)]
-        zero(acc)
+        _zero(acc)
         last_a, last_b = (S - T) + ra, (S - T) + rb
         keys_end = min(S, (S - T) + t0 + MMA_ROWS)
         for s0 in range(0, keys_end, MMA_ROWS):
@@ -809,10 +808,10 @@ def _mma_kernels(D: int):
             if has_next:
                 fetch_pairs(k_lo, k_hi, k, b, s0 + MMA_ROWS, S, kv, KV, tid)
                 fetch_pairs(v_lo, v_hi, v, b, s0 + MMA_ROWS, S, kv, KV, tid)
-            zero(scores)
-            zero(dp)
-            product_over_dims(scores, q_frag, sh, stage, g, t)
-            product_over_dims(dp, do_frag, sh, stage + u64(ROWS_TILE), g, t)
+            _zero(scores)
+            _zero(dp)
+            mma_over_dims(scores, q_frag, sh, stage, g, t)
+            mma_over_dims(dp, do_frag, sh, stage + u64(ROWS_TILE), g, t)
             for n in range(NR):
                 for c in range(2):
                     key = s0 + 8 * n + 2 * t + c
@@ -820,7 +819,7 @@ def _mma_kernels(D: int):
                     p_b = math.exp(scores[n, c + 2] * scale - row_lse_b) if key <= last_b and key < S else f32(0.0)
                     dp[n, c] = p_a * (dp[n, c] - row_di_a)
                     dp[n, c + 2] = p_b * (dp[n, c + 2] - row_di_b)
-            product_over_rows(acc, dp, sh, stage + u64(2 * ROWS_TILE), g, t)
+            mma_over_rows(acc, dp, sh, stage + u64(2 * ROWS_TILE), g, t)
             if has_next:
                 other = u64(DQ_STAGE) - stage
                 put_rows(sh, other, k_lo, k_hi, tid)
@@ -832,7 +831,7 @@ def _mma_kernels(D: int):
     KV_STAGE = 2 * ROWS_TILE + 2 * T_TILE
 
     @cuda.jit(fastmath=True)
-    def dkdv_kernel(do, q, k, v, lse, di, T, S, H, KV, scale, dk, dv):
+    def mma_dkdv_kernel(do, q, k, v, lse, di, T, S, H, KV, scale, dk, dv):
         # do, q (B*T*H*D/2,), k, v, dk, dv (B*S*KV*D/2,) words of bf16 pairs, lse, di (B, H, T) float32;
         # grid (B * KV, S / 64), 128 threads: each warp 16 keys against 64 query rows per step, over
         # every query head of the group, so the group's gradients add up in registers: no atomics
@@ -871,8 +870,8 @@ def _mma_kernels(D: int):
         put_rows(sh, u64(ROWS_TILE), do_lo, do_hi, tid)
         put_transposed(sh, u64(2 * ROWS_TILE), q_lo, q_hi, tid)
         put_transposed(sh, u64(2 * ROWS_TILE + T_TILE), do_lo, do_hi, tid)
-        zero(dk_acc)
-        zero(dv_acc)
+        _zero(dk_acc)
+        _zero(dv_acc)
         for step in range(group * tiles):
             t0 = first_query + (step % tiles) * MMA_ROWS
             parity = step % 2
@@ -888,10 +887,10 @@ def _mma_kernels(D: int):
                     row = min(t_next + tid, T - 1)
                     row_stats[1 - parity, 0, tid] = lse[b, h_next, row]
                     row_stats[1 - parity, 1, tid] = di[b, h_next, row]
-            zero(scores)
-            zero(dp)
-            product_over_dims(scores, k_frag, sh, stage, g, t)
-            product_over_dims(dp, v_frag, sh, stage + u64(ROWS_TILE), g, t)
+            _zero(scores)
+            _zero(dp)
+            mma_over_dims(scores, k_frag, sh, stage, g, t)
+            mma_over_dims(dp, v_frag, sh, stage + u64(ROWS_TILE), g, t)
             for n in range(NR):
                 for c in range(2):
                     col = 8 * n + 2 * t + c
@@ -903,8 +902,8 @@ def _mma_kernels(D: int):
                     scores[n, c + 2] = math.exp(scores[n, c + 2] * scale - row_lse) if seen_b else f32(0.0)
                     dp[n, c] = scores[n, c] * (dp[n, c] - row_di)
                     dp[n, c + 2] = scores[n, c + 2] * (dp[n, c + 2] - row_di)
-            product_over_rows(dv_acc, scores, sh, stage + u64(2 * ROWS_TILE + T_TILE), g, t)
-            product_over_rows(dk_acc, dp, sh, stage + u64(2 * ROWS_TILE), g, t)
+            mma_over_rows(dv_acc, scores, sh, stage + u64(2 * ROWS_TILE + T_TILE), g, t)
+            mma_over_rows(dk_acc, dp, sh, stage + u64(2 * ROWS_TILE), g, t)
             if has_next:
                 other = u64(KV_STAGE) - stage
                 put_rows(sh, other, q_lo, q_hi, tid)
@@ -914,4 +913,13 @@ def _mma_kernels(D: int):
         store_rows(dk, dk_acc, scale, b, k0, S, kv, KV, g, t)
         store_rows(dv, dv_acc, f32(1.0), b, k0, S, kv, KV, g, t)
 
-    return (forward, 8 * FWD_STAGE), (dq_kernel, 8 * DQ_STAGE), (dkdv_kernel, 8 * KV_STAGE)
+    return FlashKernels(Kernel(mma_forward_kernel, 8 * FWD_STAGE), Kernel(mma_dq_kernel, 8 * DQ_STAGE),
+                        Kernel(mma_dkdv_kernel, 8 * KV_STAGE))
+
+
+def _words(x):
+    """A bf16 array as one flat run of uint32 words, each two neighbouring elements of its last axis."""
+    return x.reshape(x.size).view(np.uint32)
+
+
+MMA_FAMILY = Family(mma_kernels, MMA_ROWS, MMA_THREADS, tensor=_words, takes_sizes=True)

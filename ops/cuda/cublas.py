@@ -1,8 +1,9 @@
 """Row-major matrix products on Numba device arrays: cuBLAS through the nvmath-python bindings,
 or a Numba shared-memory tiled kernel where nvmath is absent and under the simulator.
 
-Operands are float32 (exact, or TF32 tensor cores with ALLOW_TF32) or bf16 storage (tensor
-cores, float32 accumulation); the output is float32 or bf16, whichever `out` is.
+Operands are float32 (exact, or TF32 tensor cores while the backend computes in TF32) or bf16 storage (tensor cores, float32 accumulation); the output is float32 or bf16,
+whichever `out` is. With `accumulate`, the product is added to what `out` holds (cuBLAS's beta = 1),
+as the gradient buffers are.
 
 cuBLAS is column-major. A row-major (r, c) buffer read column-major is its transpose, so the
 row-major product out = op(a) @ op(b) is the column-major out^T = op(b)^T op(a)^T: call gemm
@@ -14,10 +15,9 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32
 
-from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda import BACKEND, runtime
 from nanoeuler_ops.cuda.runtime import stored, to_f32
 
-ALLOW_TF32 = False   # True: TF32 tensor cores (~8x faster on Hopper, ~3e-4 relative error)
 TILE = 16            # the fallback kernel's output tile (TILE x TILE threads per block)
 
 _ONE = np.array(1.0, np.float32)    # alpha and beta live on the host (cuBLAS's default pointer mode)
@@ -52,8 +52,8 @@ def uses_cublas() -> bool:
 
 
 @cuda.jit(cache=True)
-def _matmul_tiled(a, b, out, trans_a, trans_b):
-    # op(a) (M, K), op(b) (K, N) -> out (M, N), op = transpose where the flag is set;
+def _matmul_tiled(a, b, out, trans_a, trans_b, accumulate):
+    # op(a) (M, K), op(b) (K, N) -> out (M, N) (+ out with accumulate), op = transpose where the flag is set;
     # one TILE x TILE tile of out per block, K walked in TILE steps through shared memory
     a_tile = cuda.shared.array((TILE, TILE), float32)
     b_tile = cuda.shared.array((TILE, TILE), float32)
@@ -74,27 +74,29 @@ def _matmul_tiled(a, b, out, trans_a, trans_b):
             acc += a_tile[ty, kk] * b_tile[kk, tx]
         cuda.syncthreads()
     if row < M and col < N:
-        out[row, col] = stored(out, acc)
+        out[row, col] = stored(out, acc + to_f32(out[row, col]) if accumulate else acc)
 
 
 CUDA_R_32F, CUDA_R_16BF = 0, 14   # cudaDataType
 
 
-def matmul(a, b, out, trans_a: bool = False, trans_b: bool = False) -> None:
-    """out (M, N) = op(a) @ op(b) for contiguous row-major device arrays; a and b of one storage."""
+def matmul(a, b, out, trans_a: bool = False, trans_b: bool = False, accumulate: bool = False) -> None:
+    """out (M, N) = op(a) @ op(b) (+ out, with accumulate) for contiguous row-major device arrays;
+    a and b of one storage."""
     M, N = out.shape
     K = a.shape[0] if trans_a else a.shape[1]
     cublas = _nvmath_cublas()
     if cublas is None:
         blocks = (runtime.blocks_for(N, TILE), runtime.blocks_for(M, TILE))
-        runtime.launch(_matmul_tiled, blocks, (TILE, TILE), a, b, out, trans_a, trans_b)
+        runtime.launch(_matmul_tiled, blocks, (TILE, TILE), a, b, out, trans_a, trans_b, accumulate)
         return
     low = a.dtype == runtime.BF16
-    compute = (cublas.ComputeType.COMPUTE_32F_FAST_TF32 if ALLOW_TF32 and not low else cublas.ComputeType.COMPUTE_32F)
+    tf32 = BACKEND.precision.tf32 and not low
+    compute = cublas.ComputeType.COMPUTE_32F_FAST_TF32 if tf32 else cublas.ComputeType.COMPUTE_32F
     op = {False: cublas.Operation.N, True: cublas.Operation.T}
     ab_type = CUDA_R_16BF if low else CUDA_R_32F
     out_type = CUDA_R_16BF if out.dtype == runtime.BF16 else CUDA_R_32F
     cublas.gemm_ex(handle_for(runtime.stream_handle()), op[trans_b], op[trans_a], N, M, K, _ONE.ctypes.data,
                    b.device_ctypes_pointer.value, ab_type, b.shape[1], a.device_ctypes_pointer.value, ab_type,
-                   a.shape[1], _ZERO.ctypes.data, out.device_ctypes_pointer.value, out_type, N, compute,
+                   a.shape[1], (_ONE if accumulate else _ZERO).ctypes.data, out.device_ctypes_pointer.value, out_type, N, compute,
                    cublas.GemmAlgo.DEFAULT)

@@ -19,9 +19,9 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import block_reduce
+from nanoeuler_ops.cuda.runtime import block_reduce
 from nanoeuler_ops.decode_attention import check_shapes
-from nanoeuler_ops.rope import cos_sin
+from nanoeuler_ops.qkv_rope import cos_sin
 
 SPLIT = 64            # keys per block in `attend` (and its threads)
 MAX_HEAD_DIM = 256    # the query is staged in shared memory

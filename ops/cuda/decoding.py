@@ -11,11 +11,9 @@ the call holds or where the row sits among them. Decoding reads each weight once
 kernels are bound by memory bandwidth: one block per output row keeps enough reads in flight.
 """
 
-import math
+from numba import cuda, float32
 
-from numba import cuda, float32, float64
-
-from nanoeuler_ops.cuda.runtime import SIMULATOR, WARP, warp_max, warp_sum
+from nanoeuler_ops.cuda.runtime import SIMULATOR, WARP, warp_sum
 
 THREADS = 64 if SIMULATOR else 128   # threads per block (one block per output column); two warps keep the simulator quick
 WARPS = THREADS // WARP
@@ -42,26 +40,3 @@ def block_total(partial, slot, r):
         total += partial[slot, w, r]
     return total
 
-
-# A block-wide reduction for the decoding kernels; every thread of the block must call it. The
-# caller passes `scratch`, a shared float64 array of 32: a shared array declared inside a device
-# function that a kernel reaches through two paths is defined twice when the kernel links (NVVM:
-# "symbol multiply defined").
-
-@cuda.jit(device=True)
-def block_reduce(x, take_max, scratch):
-    """Sum (or max, with take_max) of x over the whole (1-D) block in float64, to every thread;
-    warps combined in order."""
-    lane = cuda.threadIdx.x % WARP
-    warp = cuda.threadIdx.x // WARP
-    x = warp_max(float64(x)) if take_max else warp_sum(float64(x))
-    if lane == 0:
-        scratch[warp] = x
-    cuda.syncthreads()
-    if lane < (cuda.blockDim.x + WARP - 1) // WARP:
-        x = scratch[lane]
-    else:
-        x = float64(-math.inf) if take_max else float64(0.0)
-    x = warp_max(x) if take_max else warp_sum(x)
-    cuda.syncthreads()   # scratch may be reused by the next call
-    return x

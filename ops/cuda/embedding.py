@@ -40,8 +40,8 @@ def _backward(cols: int):
     """The backward kernel for rows of at most cols * THREADS elements."""
 
     @cuda.jit
-    def backward(ids, dout, dtable):
-        # ids (N,), dout (N, C) -> dtable (V, C) float32, every element written; block owns rows
+    def backward(ids, dout, dtable, accumulate):
+        # ids (N,), dout (N, C) -> dtable (V, C) float32 (+ dtable with accumulate); block owns rows
         # v0 .. v0 + ROWS - 1, thread tid the columns tid + THREADS j
         N, C = dout.shape
         v0 = cuda.blockIdx.x * ROWS
@@ -76,7 +76,7 @@ def _backward(cols: int):
                 for j in range(cols):
                     c = tid + THREADS * j
                     if c < C:
-                        dtable[v0 + r, c] = acc[r, j]
+                        dtable[v0 + r, c] = acc[r, j] + dtable[v0 + r, c] if accumulate else acc[r, j]
 
     return backward
 
@@ -88,8 +88,10 @@ def forward(ids, table):
     return out, ()
 
 
-def backward(dout, saved, ids, table):
+def backward(dout, saved, ids, table, *, into=None):
     V, C = table.shape
-    dtable = runtime.empty(table.shape, np.float32)
-    runtime.launch(_backward(runtime.blocks_for(C, THREADS)), runtime.blocks_for(V, ROWS), THREADS, ids, dout, dtable)
+    dtable_into = into[1] if into else None
+    dtable = runtime.empty(table.shape, np.float32) if dtable_into is None else dtable_into
+    runtime.launch(_backward(runtime.blocks_for(C, THREADS)), runtime.blocks_for(V, ROWS), THREADS, ids, dout, dtable,
+                   dtable_into is not None)
     return None, dtable

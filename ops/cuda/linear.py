@@ -1,5 +1,6 @@
 """Linear layer on the GPU: three matrix products (cublas.matmul). See nanoeuler_ops/linear.py.
-Activations keep their storage (float32 or bf16); the weight gradient is float32."""
+Activations keep their storage (float32 or bf16); the weight gradient is float32. A gradient
+added into the caller's array (`into`) is cuBLAS's beta = 1: no temporary, no extra pass."""
 
 import numpy as np
 
@@ -14,10 +15,11 @@ def forward(x, w):
     return y, ()
 
 
-def backward(dy, saved, x, w):
-    # dy (N, O) -> dx (N, C) = dy @ w, dw (O, C) = dy.T @ x
-    dx = runtime.empty(x.shape, x.dtype)
-    dw = runtime.empty(w.shape, np.float32)
-    matmul(dy, w, dx)
-    matmul(dy, x, dw, trans_a=True)
+def backward(dy, saved, x, w, *, into=None):
+    # dy (N, O) -> dx (N, C) = dy @ w, dw (O, C) = dy.T @ x, each added into `into`'s array where it has one
+    dx_into, dw_into = into or (None, None)
+    dx = runtime.empty(x.shape, x.dtype) if dx_into is None else dx_into
+    dw = runtime.empty(w.shape, np.float32) if dw_into is None else dw_into
+    matmul(dy, w, dx, accumulate=dx_into is not None)
+    matmul(dy, x, dw, trans_a=True, accumulate=dw_into is not None)
     return dx, dw

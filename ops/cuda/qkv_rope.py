@@ -1,14 +1,30 @@
 """Split a fused q/k/v projection into heads and rotate q and k, on the GPU, float32 or bf16
-storage (float32 arithmetic): one pass each way. See nanoeuler_ops/qkv_rope.py for the math."""
+storage (float32 arithmetic): one pass each way. See nanoeuler_ops/qkv_rope.py for the math.
 
+cos and sin come from the same float64 `cos_sin` as every backend, cast to float32 once and kept
+on the GPU per (D, theta) for positions 0 .. L-1 (L doubled whenever a later position shows up),
+so a call copies nothing to the GPU and a captured CUDA graph replays it as is."""
+
+import numpy as np
 from numba import cuda, uint32, uint64
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.rope import _table
 from nanoeuler_ops.cuda.runtime import stored, to_f32
-from nanoeuler_ops.qkv_rope import check_shape
+from nanoeuler_ops.qkv_rope import check_shape, cos_sin
 
 THREADS = 256
+_tables: dict = {}   # (D, theta) -> (cos, sin), each (L, D/2) on the GPU
+
+
+def rope_tables(positions: int, D: int, theta: float):
+    """Device cos and sin tables (L, D/2) covering positions 0 .. positions-1 at least."""
+    cached = _tables.get((D, theta))
+    if cached is None or cached[0].shape[0] < positions:
+        length = max(64, 1 << (positions - 1).bit_length())
+        cos, sin = cos_sin(length, D, theta, 0)
+        cached = cuda.to_device(cos.astype(np.float32)), cuda.to_device(sin.astype(np.float32))
+        _tables[(D, theta)] = cached
+    return cached
 
 
 # Arrays are passed flat with their dims and indexed with unsigned integers (no negative-index
@@ -76,7 +92,7 @@ def forward(qkv, *, n_heads, n_kv_heads, theta, start_pos=0):
     check_shape(qkv, n_heads, n_kv_heads)
     B, T, width = qkv.shape
     D = width // (n_heads + 2 * n_kv_heads)
-    cos, sin = _table(start_pos + T, D, theta)
+    cos, sin = rope_tables(start_pos + T, D, theta)
     q = runtime.empty((B, T, n_heads, D), qkv.dtype)
     k = runtime.empty((B, T, n_kv_heads, D), qkv.dtype)
     v = runtime.empty((B, T, n_kv_heads, D), qkv.dtype)
@@ -88,7 +104,7 @@ def forward(qkv, *, n_heads, n_kv_heads, theta, start_pos=0):
 
 def backward(dout, saved, qkv, *, n_heads, n_kv_heads, theta, start_pos=0):
     dq, dk, dv = dout
-    cos, sin = _table(start_pos + qkv.shape[1], dq.shape[3], theta)
+    cos, sin = rope_tables(start_pos + qkv.shape[1], dq.shape[3], theta)
     dqkv = runtime.empty(qkv.shape, qkv.dtype)
     grid = (qkv.shape[0] * qkv.shape[1], runtime.blocks_for(qkv.shape[2] // 2, THREADS))
     runtime.launch(_gather, grid, THREADS, _flat(dq), _flat(dk), _flat(dv),

@@ -115,11 +115,11 @@ def _backward(dy, x, w, rstd, ds, has_ds, N, dx, dw_partial):
 
 
 @cuda.jit(cache=True)
-def _sum_rows(partial, out):
-    # partial (P, C) -> out (C,) = partial summed over its rows; one thread per column
+def _sum_rows(partial, out, accumulate):
+    # partial (P, C) -> out (C,) = partial summed over its rows (+ out with accumulate); one thread per column
     c = cuda.grid(1)
     if c < out.shape[0]:
-        total = float32(0.0)
+        total = out[c] if accumulate else float32(0.0)
         for p in range(partial.shape[0]):
             total += partial[p, c]
         out[c] = total
@@ -148,8 +148,9 @@ def add_forward(x, branch, w, *, eps):
     return (s, y), (s, rstd)
 
 
-def backward(dy, saved, x, w, *, eps, ds=None):
-    """dx (N, C) and dw (C,); with ds, the stream's gradient, dx includes it (add_rmsnorm's backward)."""
+def backward(dy, saved, x, w, *, eps, ds=None, into=None):
+    """dx (N, C) and dw (C,) (added into into[1] where given); with ds, the stream's gradient, dx
+    includes it (add_rmsnorm's backward)."""
     (rstd,) = saved
     N, C = x.shape
     warps = min(8, SHARED_BYTES // (4 * C))
@@ -158,8 +159,9 @@ def backward(dy, saved, x, w, *, eps, ds=None):
     blocks = min(MAX_PARTIALS, runtime.blocks_for(N, warps))
     dx = runtime.empty(x.shape, x.dtype)
     dw_partial = runtime.empty((blocks, C), np.float32)
-    dw = runtime.empty((C,), np.float32)
+    dw_into = into[1] if into else None
+    dw = runtime.empty((C,), np.float32) if dw_into is None else dw_into
     runtime.launch(_backward, blocks, warps * WARP, _flat(dy), _flat(x), w, rstd, _flat(dy if ds is None else ds),
                    ds is not None, N, _flat(dx), dw_partial, shared_bytes=4 * warps * C)
-    runtime.launch(_sum_rows, runtime.blocks_for(C, 256), 256, dw_partial, dw)
+    runtime.launch(_sum_rows, runtime.blocks_for(C, 256), 256, dw_partial, dw, dw_into is not None)
     return dx, dw

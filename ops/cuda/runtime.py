@@ -77,9 +77,34 @@ def on_stream(s, capturing: bool = False):
         _Launch.stream, _Launch.capturing = saved
 
 
+DEFAULT_SHARED_LIMIT = 48 * 1024   # bytes of dynamic shared memory a kernel may take without raising its limit
+_shared_limits: dict = {}          # compiled kernel -> the dynamic shared memory limit raised for it
+
+
 def launch(kernel, blocks, threads, *args, shared_bytes=0):
-    """kernel[blocks, threads](*args) on the current stream, with `shared_bytes` of dynamic shared memory."""
+    """kernel[blocks, threads](*args) on the current stream, with `shared_bytes` of dynamic shared
+    memory. Above DEFAULT_SHARED_LIMIT, the compiled kernel's limit is raised first, once per kernel
+    and argument types."""
+    if shared_bytes > DEFAULT_SHARED_LIMIT and not SIMULATOR:
+        _raise_shared_limit(kernel, args, shared_bytes)
     kernel[blocks, threads, _Launch.stream, shared_bytes](*args)
+
+
+def _raise_shared_limit(kernel, args, shared_bytes: int) -> None:
+    """Let the kernel compiled for `args` take `shared_bytes` of dynamic shared memory (the
+    driver's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    if _shared_limits.get(compiled, DEFAULT_SHARED_LIMIT) >= shared_bytes:
+        return
+    from cuda.bindings import driver as cu   # the driver API numba-cuda itself runs on
+
+    function = compiled.library.get_cufunc()
+    attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    (status,) = cu.cuKernelSetAttribute(attribute, shared_bytes, function.handle, function.device.id)
+    if status != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cannot give kernel {kernel.__name__} {shared_bytes} bytes of dynamic shared memory "
+                           f"(this GPU allows less): {status}")
+    _shared_limits[compiled] = shared_bytes
 
 
 def blocks_for(n: int, threads: int) -> int:
@@ -310,93 +335,121 @@ def compute_capability() -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------- reductions
-# Every thread of the block must call these (they synchronise under the simulator, and the
-# block versions always do): threads with nothing to add pass 0 (or -inf for a max).
-
-@cuda.jit(device=True, inline=True)
-def _warp_sum_shuffle(x):
-    offset = WARP // 2
-    while offset > 0:
-        x += cuda.shfl_xor_sync(FULL_MASK, x, offset)
-        offset //= 2
-    return x
-
-
-@cuda.jit(device=True, inline=True)
-def _warp_max_shuffle(x):
-    offset = WARP // 2
-    while offset > 0:
-        x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, offset))
-        offset //= 2
-    return x
-
-
-@cuda.jit(device=True)
-def _warp_reduce_simulated(x, take_max):
-    # The simulator has no shuffles: lanes exchange through shared memory (one slot per thread).
-    slots = cuda.shared.array(1024, float64)
-    tid = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
-    cuda.syncthreads()
-    slots[tid] = x
-    cuda.syncthreads()
-    first = tid - tid % WARP
-    last = min(first + WARP, cuda.blockDim.x * cuda.blockDim.y * cuda.blockDim.z)
-    total = slots[first]
-    for i in range(first + 1, last):
-        total = max(total, slots[i]) if take_max else total + slots[i]
-    cuda.syncthreads()
-    return type(x)(total)
-
-
-@cuda.jit(device=True)
-def _warp_ballot_simulated(predicate):
-    slots = cuda.shared.array(1024, np.uint32)
-    tid = cuda.threadIdx.x
-    cuda.syncthreads()
-    slots[tid] = 1 if predicate else 0
-    cuda.syncthreads()
-    first = tid - tid % WARP
-    mask = 0
-    for lane in range(WARP):
-        mask |= int(slots[first + lane]) << lane
-    cuda.syncthreads()
-    return np.uint32(mask)
-
-
-@cuda.jit(device=True, inline=True)
-def _warp_ballot(predicate):
-    return cuda.ballot_sync(FULL_MASK, predicate)
-
+# Every thread of the block must call these (they synchronise the block under the simulator, and
+# block_reduce always does): threads with nothing to add pass 0 (or -inf for a max).
+# On a GPU the lanes of a warp exchange values by xor shuffles. The simulator has no shuffles: there
+# every exchange (the mma_bf16 twin's too) goes through `simulated_lanes`, and a reduction combines
+# the lanes' values in lane order.
 
 if SIMULATOR:
+    LANE_SLOTS = 8   # values one thread can exchange at once
+
+    @cuda.jit(device=True)
+    def simulated_lanes(x, width):
+        """The values of x (a value, or a tuple or array of up to LANE_SLOTS values) held by the
+        lanes of this thread's group of `width` neighbouring lanes (the warp, or a quad, ...), in
+        lane order: shape (lanes,) + shape of x, in x's dtype, lanes = width unless the block ends
+        sooner. Simulator only."""
+        slots = cuda.shared.array((1024, LANE_SLOTS), float64)
+        values = np.asarray(x)
+        n_threads = cuda.blockDim.x * cuda.blockDim.y * cuda.blockDim.z
+        tid = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        cuda.syncthreads()   # every lane has read the previous exchange
+        slots[tid, :values.size] = values.reshape(values.size)
+        cuda.syncthreads()
+        first = tid - tid % width
+        lanes = slots[first:min(first + width, n_threads), :values.size]
+        return lanes.astype(values.dtype).reshape((lanes.shape[0],) + values.shape)
+
+    def simulated_reduce(x, width, take_max):
+        """Sum (or max, with take_max) of x over this thread's group of `width` neighbouring lanes,
+        added in lane order; for an array x, of each of its values. Simulator only."""
+        lanes = simulated_lanes(x, width)
+        total = lanes[0]
+        for value in lanes[1:]:
+            total = np.maximum(total, value) if take_max else total + value
+        return total
+
     def warp_sum(x):
         """Sum of x over the 32 lanes of the warp, returned to every lane."""
-        return _warp_reduce_simulated(x, False)
+        return simulated_reduce(x, WARP, False)
 
     def warp_max(x):
         """Max of x over the 32 lanes of the warp, returned to every lane."""
-        return _warp_reduce_simulated(x, True)
+        return simulated_reduce(x, WARP, True)
 
     def warp_ballot(predicate):
         """A mask with bit `lane` set where that lane's predicate holds, returned to every lane."""
-        return _warp_ballot_simulated(predicate)
-else:
-    warp_sum, warp_max, warp_ballot = _warp_sum_shuffle, _warp_max_shuffle, _warp_ballot
+        lanes = simulated_lanes(bool(predicate), WARP)
+        return np.uint32(sum(1 << lane for lane in range(lanes.shape[0]) if lanes[lane]))
 
+    def quad_sum(x):
+        """Sum of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
+        return simulated_reduce(x, 4, False)
+
+    def quad_max(x):
+        """Max of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
+        return simulated_reduce(x, 4, True)
+else:
+    @cuda.jit(device=True, inline=True)
+    def warp_sum(x):
+        """Sum of x over the 32 lanes of the warp, returned to every lane."""
+        offset = WARP // 2
+        while offset > 0:
+            x += cuda.shfl_xor_sync(FULL_MASK, x, offset)
+            offset //= 2
+        return x
+
+    @cuda.jit(device=True, inline=True)
+    def warp_max(x):
+        """Max of x over the 32 lanes of the warp, returned to every lane."""
+        offset = WARP // 2
+        while offset > 0:
+            x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, offset))
+            offset //= 2
+        return x
+
+    @cuda.jit(device=True, inline=True)
+    def warp_ballot(predicate):
+        """A mask with bit `lane` set where that lane's predicate holds, returned to every lane."""
+        return cuda.ballot_sync(FULL_MASK, predicate)
+
+    @cuda.jit(device=True, inline=True)
+    def quad_sum(x):
+        """Sum of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
+        x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+        return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)
+
+    @cuda.jit(device=True, inline=True)
+    def quad_max(x):
+        """Max of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
+        x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
+        return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
+
+
+# The caller owns block_reduce's shared memory: a shared array declared inside a device function
+# that a kernel reaches through two paths is defined twice when the kernel links (NVVM: "symbol
+# multiply defined"), so each kernel declares `scratch = cuda.shared.array(32, float64)` once and
+# passes it down.
 
 @cuda.jit(device=True)
-def block_sum(x):
-    """Sum of x over the whole (1-D) block in float64, returned to every thread."""
-    per_warp = cuda.shared.array(32, float64)
+def block_reduce(x, take_max, scratch):
+    """Sum (or max, with take_max) of x over the whole (1-D) block in float64, returned to every
+    thread: each warp reduces its lanes, then the warps' results (in scratch, a shared float64
+    array of 32) are reduced by the same fixed tree, so the result depends only on the values and
+    where they sit in the block."""
     lane = cuda.threadIdx.x % WARP
     warp = cuda.threadIdx.x // WARP
-    x = warp_sum(x)
+    x = warp_max(float64(x)) if take_max else warp_sum(float64(x))
     if lane == 0:
-        per_warp[warp] = x
+        scratch[warp] = x
     cuda.syncthreads()
-    x = per_warp[lane] if lane < (cuda.blockDim.x + WARP - 1) // WARP else 0.0
-    x = warp_sum(x)
-    cuda.syncthreads()   # per_warp may be reused by the next call
+    if lane < (cuda.blockDim.x + WARP - 1) // WARP:
+        x = scratch[lane]
+    else:
+        x = float64(-math.inf) if take_max else float64(0.0)
+    x = warp_max(x) if take_max else warp_sum(x)
+    cuda.syncthreads()   # scratch may be reused by the next call
     return x
 
 
@@ -407,10 +460,9 @@ def block_sum(x):
 #   A: a0 = A[g, 2t:2t+2]   a1 = A[g+8, 2t:2t+2]   a2 = A[g, 2t+8:2t+10]   a3 = A[g+8, 2t+8:2t+10]
 #   B: b0 = B[2t:2t+2, g]   b1 = B[2t+8:2t+10, g]
 #   C, D: c0, c1 = C[g, 2t:2t+2]   c2, c3 = C[g+8, 2t:2t+2]
-# The simulator cannot run PTX: its twin gathers the warp's fragments through shared memory and
-# computes the same tile, in the same layout (the slots are rewritten only after the next call's
-# first barrier, once every lane has read them). Lanes 4g .. 4g+3 hold one row pair of C: quad_max
-# and quad_sum reduce over them (xor shuffles by 1 and 2).
+# The simulator cannot run PTX: its twin gathers the warp's fragments (simulated_lanes) and computes
+# the same tile, in the same layout. Lanes 4g .. 4g+3 hold one row pair of C: quad_max and quad_sum
+# reduce over them (xor shuffles by 1 and 2).
 
 if SIMULATOR:
     # Where each element of A (16 x 16) and B (16 x 8) sits in the warp: lane and register (a0..a3 are
@@ -423,40 +475,14 @@ if SIMULATOR:
 
     @cuda.jit(device=True)
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        slots = cuda.shared.array((1024, 6), np.uint32)
-        tid = cuda.threadIdx.x
-        cuda.syncthreads()
-        slots[tid, :] = (a0, a1, a2, a3, b0, b1)
-        cuda.syncthreads()
-        first, lane = tid - tid % WARP, tid % WARP
-        words = np.array(slots[first:first + WARP]).astype(np.uint32)
+        words = simulated_lanes((a0, a1, a2, a3, b0, b1), WARP).astype(np.uint32)   # (32 lanes, 6 registers)
         halves = np.stack([bf16_values(words & np.uint32(0xFFFF)), bf16_values(words >> np.uint32(16))])
         a = halves[_A_HALF, _A_LANE, _A_REG].astype(np.float64)
         b = halves[_B_HALF, _B_LANE, _B_REG].astype(np.float64)
+        lane = cuda.threadIdx.x % WARP
         g, t = lane // 4, lane % 4
         d = a[[g, g, g + 8, g + 8]] @ b[:, [2 * t, 2 * t + 1, 2 * t, 2 * t + 1]]
         return (np.float32(c0 + d[0, 0]), np.float32(c1 + d[1, 1]), np.float32(c2 + d[2, 2]), np.float32(c3 + d[3, 3]))
-
-    @cuda.jit(device=True)
-    def _quad_reduce_simulated(x, take_max):
-        slots = cuda.shared.array(1024, float32)
-        tid = cuda.threadIdx.x
-        cuda.syncthreads()
-        slots[tid] = x
-        cuda.syncthreads()
-        first = tid - tid % 4
-        total = slots[first]
-        for i in range(first + 1, first + 4):
-            total = max(total, slots[i]) if take_max else total + slots[i]
-        return np.float32(total)
-
-    def quad_max(x):
-        """Max of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
-        return _quad_reduce_simulated(x, True)
-
-    def quad_sum(x):
-        """Sum of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
-        return _quad_reduce_simulated(x, False)
 else:
     @intrinsic
     def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -472,15 +498,3 @@ else:
             result = builder.call(asm, args)
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(result, i) for i in range(4)])
         return sig, codegen
-
-    @cuda.jit(device=True, inline=True)
-    def quad_max(x):
-        """Max of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
-        x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
-        return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
-
-    @cuda.jit(device=True, inline=True)
-    def quad_sum(x):
-        """Sum of x over the 4 lanes 4g .. 4g+3 of the warp (one row of an mma tile)."""
-        x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
-        return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)

@@ -12,7 +12,7 @@ split among its threads:
   a draw     each thread sums a contiguous chunk of the weights, thread 0 walks the chunk sums and
              then the chosen chunk, in vocabulary order.
 The distributions are written to scratch rows in global memory, so any vocabulary size fits.
-The helpers take their shared memory from the kernel (see nanoeuler_ops/cuda/decoding.py).
+The helpers take their shared memory from the kernel (see runtime.block_reduce for why).
 """
 
 import math
@@ -22,7 +22,7 @@ from numba import cuda, float32, float64, int64
 
 from nanoeuler_ops import sample as spec
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import block_reduce
+from nanoeuler_ops.cuda.runtime import block_reduce
 from nanoeuler_ops.sample import STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_SAMPLE, check_args
 
 THREADS = 32 if runtime.SIMULATOR else 256   # a power of two; one warp keeps the simulator quick

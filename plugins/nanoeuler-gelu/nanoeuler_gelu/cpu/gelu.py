@@ -1,9 +1,9 @@
-"""GELU on nanoeuler's CPU backend (float32, Numba). See nanoeuler_gelu/__init__.py for the math."""
+"""GELU on nanoeuler's CPU backend (float32, Numba). See nanoeuler_gelu/gelu.py for the math."""
 
 import numpy as np
 from numba import njit, prange
 
-from nanoeuler_gelu import CUBIC, SQRT_2_OVER_PI
+from nanoeuler_gelu.gelu import CUBIC, SQRT_2_OVER_PI
 
 
 @njit(parallel=True, cache=True)

@@ -1,0 +1,102 @@
+"""Communication among data-parallel ranks: the interface the optimizer uses, and its MPI
+implementation on host arrays (the CPU backends). A backend with device memory supplies its own
+(`Backend.collectives`: NCCL for CUDA); the engine knows only this interface.
+
+The `*_async` calls start a collective that may overlap the work queued after it (the rest of
+the backward pass): the CUDA backend runs them on a stream of their own, inside the captured
+training step; `wait()` makes the work queued after it see every started collective's result.
+Ranks must start collectives in the same order. On host arrays they simply run at once."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+
+class Collectives(Protocol):
+    """Communication among `size` data-parallel ranks, this one being `rank`.
+
+    Backend arrays are flat and reduced in place; `shard(n)` is the slice [lo, hi) of an n-long
+    buffer that this rank owns (n must be a multiple of size).
+    """
+
+    rank: int
+    size: int
+
+    def all_reduce_sum(self, buf) -> None:
+        """buf <- the sum of every rank's buf."""
+
+    def reduce_scatter_sum(self, buf) -> None:
+        """buf[lo:hi] <- the sum of every rank's buf[lo:hi], for this rank's shard; the rest of buf is left undefined."""
+
+    def all_gather(self, buf) -> None:
+        """buf[shard of rank r] <- rank r's buf[shard of rank r], for every r."""
+
+    def all_reduce_sum_async(self, buf) -> None:
+        """Start buf <- the sum of every rank's buf; complete once `wait()` returns."""
+
+    def reduce_sum_async(self, buf, root: int) -> None:
+        """Start buf <- the sum of every rank's buf on rank `root` (buf is undefined elsewhere);
+        complete once `wait()` returns."""
+
+    def wait(self) -> None:
+        """Work queued after this call sees the results of every collective started before it."""
+
+    def host_sum(self, values: np.ndarray) -> np.ndarray:
+        """The sum over the ranks of a small host array."""
+
+    def host_concat(self, values: np.ndarray) -> np.ndarray:
+        """Every rank's host array, concatenated in rank order (on every rank)."""
+
+
+def shard(n: int, rank: int, size: int) -> tuple[int, int]:
+    """The slice [lo, hi) of an n-long buffer that `rank` of `size` owns."""
+    per_rank = n // size
+    return rank * per_rank, (rank + 1) * per_rank
+
+
+class MpiCollectives:
+    """Collectives over MPI (mpi4py) on host (NumPy) arrays."""
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+
+        self.comm, self.MPI = comm, MPI
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def all_reduce_sum(self, buf) -> None:
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+
+    def reduce_scatter_sum(self, buf) -> None:
+        lo, hi = shard(buf.size, self.rank, self.size)
+        mine = np.empty(hi - lo, dtype=buf.dtype)  # MPI forbids a receive buffer inside the send buffer
+        self.comm.Reduce_scatter_block(buf, mine, op=self.MPI.SUM)
+        buf[lo:hi] = mine
+
+    def all_gather(self, buf) -> None:
+        self.comm.Allgather(self.MPI.IN_PLACE, buf)
+
+    def all_reduce_sum_async(self, buf) -> None:
+        self.all_reduce_sum(buf)
+
+    def reduce_sum_async(self, buf, root: int) -> None:
+        if self.rank == root:
+            self.comm.Reduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM, root=root)
+        else:
+            self.comm.Reduce(buf, None, op=self.MPI.SUM, root=root)
+
+    def wait(self) -> None:
+        pass
+
+    def host_sum(self, values: np.ndarray) -> np.ndarray:
+        values = np.ascontiguousarray(values)
+        total = np.empty_like(values)
+        self.comm.Allreduce(values, total, op=self.MPI.SUM)
+        return total
+
+    def host_concat(self, values: np.ndarray) -> np.ndarray:
+        values = np.ascontiguousarray(values)
+        out = np.empty(self.size * values.size, dtype=values.dtype)
+        self.comm.Allgather(values, out)
+        return out

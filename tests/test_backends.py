@@ -1,0 +1,106 @@
+"""Backends own their kernels: a third, minimal backend (tests/minimal_backend: add, linear and
+swiglu only) registered at run time, or through an entry point as an installed package would be,
+is checked for the ops it has and refused, in one line, for the ops it lacks; a package of extra
+kernels fills a backend's gap but never replaces a kernel the backend has."""
+
+import importlib.metadata
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from minimal_backend import BACKEND as MINIMAL
+from nanoeuler_core import registry
+from nanoeuler_core.cli import app
+from nanoeuler_core.engine import gradcheck
+from nanoeuler_core.engine.gradcheck import check_op
+from nanoeuler_core.engine.model import Model
+from nanoeuler_core.registry import BACKENDS_GROUP, KERNELS_GROUP, Registry
+
+MINIMAL_OPS = {"add", "linear", "swiglu"}
+
+
+@pytest.fixture
+def minimal():
+    with registry.REGISTRY.extra_backend(MINIMAL):
+        yield MINIMAL
+
+
+def test_ops_are_found_by_name_in_the_backends_kernel_package(minimal):
+    has = {name for name, op in registry.ops().items() if "minimal" in op.backend_names()}
+    assert has == MINIMAL_OPS
+    assert registry.op("linear").backends["minimal"] == "minimal_backend.linear"
+    with pytest.raises(KeyError, match="the minimal backend has no kernels for op 'attention'"):
+        registry.op("attention").impl("minimal")
+
+
+def test_ops_command_shows_what_a_backend_lacks(minimal):
+    result = CliRunner().invoke(app, ["ops"])
+    assert result.exit_code == 0, result.output
+    header, *rows = result.output.splitlines()[:-1]
+    has, lacks = (slice(header.index(a), header.index(b)) for a, b in (("backends", "lacking on"), ("lacking on", "package")))
+    lines = {line.split()[0]: line for line in rows}
+    for name in registry.ops():
+        assert ("minimal*" in lines[name][has].split()) == (name in MINIMAL_OPS)
+        assert ("minimal" in lines[name][lacks].split()) == (name not in MINIMAL_OPS)
+
+
+def test_gradcheck_checks_the_ops_it_has_and_skips_the_others(minimal):
+    checks = check_op(registry.op("linear"), ["minimal"])
+    pairs = {(c.a, c.b) for c in checks}
+    assert ("reference", "minimal") in pairs
+    assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
+    assert any(c.what.endswith("+=") for c in checks)   # linear adds its gradients in place on it too
+    assert "minimal" not in gradcheck.available_backends(registry.op("attention"))
+    assert not gradcheck.runs_model("minimal") and gradcheck.runs_model("cpu")
+
+
+def test_model_on_a_backend_lacking_an_op_is_refused_in_one_line(minimal):
+    with pytest.raises(ValueError) as err:
+        Model(gradcheck.tiny_config(), backend="minimal")
+    assert str(err.value).startswith("the minimal backend has no kernels for op 'embedding', which the model needs")
+    assert "\n" not in str(err.value)
+
+
+def test_contributed_kernels_fill_a_gap_but_never_replace_a_backends_own(minimal):
+    assert "minimal" not in registry.op("rmsnorm").backend_names()
+    registry.REGISTRY.register_kernels("minimal", "minimal_kernels")
+    registry.REGISTRY.register_kernels("cpu", "minimal_kernels")
+    try:
+        assert registry.op("rmsnorm").backends["minimal"] == "minimal_kernels.rmsnorm"
+        checks = check_op(registry.op("rmsnorm"), ["minimal"])
+        assert checks and all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
+        assert registry.op("linear").backends["cpu"] == "nanoeuler_ops.cpu.linear"
+        x = np.ones((2, 3), dtype=np.float32)
+        y, _ = registry.op("linear").impl("cpu").forward(x, x)   # the contributed linear would raise
+        np.testing.assert_allclose(y, 3 * np.ones((2, 2)))
+    finally:
+        registry.REGISTRY._kernels["cpu"].remove("minimal_kernels")
+        registry.op("rmsnorm")._loaded.pop("minimal", None)
+
+
+class FakeEntryPoint:
+    """An entry point as an installed distribution `package` would declare it: `name = "value"`."""
+
+    def __init__(self, group: str, name: str, value: str, package: str):
+        self.group, self.name, self.value = group, name, value
+        self.dist = SimpleNamespace(name=package)
+
+    def load(self):
+        return importlib.metadata.EntryPoint(self.name, self.value, self.group).load()
+
+
+def test_a_package_adds_a_backend_and_kernels_through_entry_points(monkeypatch):
+    real = importlib.metadata.entry_points
+    extra = {BACKENDS_GROUP: [FakeEntryPoint(BACKENDS_GROUP, "minimal", "minimal_backend:BACKEND", "nanoeuler-minimal")],
+             KERNELS_GROUP: [FakeEntryPoint(KERNELS_GROUP, "minimal", "minimal_kernels", "nanoeuler-minimal-extra")]}
+
+    def entry_points(**selection):
+        return list(real(**selection)) + extra.get(selection.get("group"), [])
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    reg = Registry()
+    assert reg.backend("minimal") is MINIMAL
+    assert reg.contributed_kernels("minimal") == ["minimal_kernels"]
+    assert set(reg.backends()) >= {"reference", "cpu", "minimal"}
