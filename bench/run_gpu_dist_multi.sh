@@ -62,7 +62,7 @@ if wants steps; then
         run "$mpiexec" -n "$n" "${bench[@]}" --variant zero
       fi
       if [ "$backend" = cuda ]; then
-        run timeout 300 torchrun --standalone --nproc_per_node "$n" bench/torch_ddp.py --preset "$preset" \
+        run timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node "$n" bench/torch_ddp.py --preset "$preset" \
             --batch-size 32 --steps 30 --warmup 10
       fi
     done

@@ -2,7 +2,7 @@
 autocast (fp32 master weights, fused AdamW, gradient clipping), on the same model, the same
 initial weights and the same rows per GPU, one process per GPU:
 
-    torchrun --standalone --nproc_per_node N bench/torch_ddp.py [--batch-size 32 --steps 30 --warmup 10]
+    python3 -m torch.distributed.run --standalone --nproc_per_node N bench/torch_ddp.py [--batch-size 32 --steps 30 --warmup 10]
 
 DDP all-reduces its gradients in 25 MB buckets during the backward, NCCL on a stream of its own.
 Rank 0 prints one JSON line with the fields of bench_dist.py's ("engine": "torch-ddp").

@@ -218,3 +218,16 @@ def test_generate_checks_checkpoint_and_tokenizer(corpus_and_tokenizer, tmp_path
     (run_dir / "model.safetensors").write_bytes(b"\x00" * 10)
     corrupt = cli("generate", run_dir, "It was")
     assert corrupt.returncode == 1 and "corrupt" in corrupt.stderr and "Traceback" not in corrupt.stderr
+
+
+def test_resume_keeps_the_runs_backend_unless_told(corpus_and_tokenizer, tmp_path):
+    """`pretrain --resume RUN` continues on the backend RUN trained on (a GPU run stays on the GPU);
+    --backend moves it."""
+    run_dir = tmp_path / "run"
+    args = [str(a) for a in pretrain_args(corpus_and_tokenizer, run_dir, 2)]
+    assert cli(*args, "--backend", "reference").returncode == 0
+    resumed = cli("pretrain", "--resume", run_dir, "--steps", 3, "--sample-prompt", "x")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "backend reference" in resumed.stderr + resumed.stdout
+    moved = cli("pretrain", "--resume", run_dir, "--steps", 4, "--backend", "cpu", "--sample-prompt", "x")
+    assert moved.returncode == 0 and "backend cpu" in moved.stderr + moved.stdout, moved.stderr

@@ -24,7 +24,7 @@ PRECISION_HELP = "fp32, tf32 or bf16 (default: bf16 on a CUDA GPU with tensor co
 
 def pretrain(
     preset: str = typer.Option("small", help="model preset: small (CPU, minutes) or gpu (116M parameters)"),
-    backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
+    backend: Optional[str] = typer.Option(None, help="cpu, cuda or reference (default: cpu; with --resume: the run's own)"),
     corpus: Optional[Path] = typer.Option(None, help="UTF-8 text file (default: the bundled Shakespeare)"),
     tokenizer: Optional[Path] = typer.Option(None, help="tokenizer.json to use (default: train one on the corpus)"),
     steps: Optional[int] = typer.Option(None, help=f"train until this step (default: {DEFAULT['steps']}; "
@@ -62,11 +62,12 @@ def pretrain(
             ("eval_hellaswag_every", eval_hellaswag_every), ("hellaswag_file", hellaswag_file and str(hellaswag_file)),
             ("hellaswag_limit", hellaswag_limit)) if value is not None}
         if resume is not None:
-            overrides = ({"backend": backend, "precision": precision, "eager": eager}
-                         | {k: v for k, v in (("steps", steps), ("grad_accum", grad_accum), ("zero", zero)) if v is not None})
+            overrides = ({"precision": precision, "eager": eager}
+                         | {k: v for k, v in (("backend", backend), ("steps", steps), ("grad_accum", grad_accum),
+                                              ("zero", zero)) if v is not None})
             run = training.resume_run(resume, overrides | hellaswag_settings, log)
         else:
-            tc = training.TrainConfig(preset=preset, backend=backend, corpus=str(corpus) if corpus else None,
+            tc = training.TrainConfig(preset=preset, backend=backend or "cpu", corpus=str(corpus) if corpus else None,
                                       tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
                                       batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
                                       zero=zero or 0,
