@@ -1,7 +1,8 @@
 """Per-kernel timings of the CUDA backend at the `gpu` preset's shapes, against the roofline and,
 where torch is installed, the same operation in PyTorch on the same card, in one precision.
 
-    python bench/bench_kernels_cuda.py [--batch-size 32] [--precision bf16|tf32|fp32] [--json results.json]
+    python bench/bench_kernels_cuda.py [--batch-size 32] [--precision bf16|tf32|fp32] [--ops rmsnorm,add_rmsnorm]
+                                       [--json results.json]
 
 In bf16 the activations are bf16 in both engines (PyTorch: bf16 tensors, SDPA's flash kernel);
 AdamW stays float32 (master weights).
@@ -236,6 +237,8 @@ def time_cases(args, rng, torch, torch_ops, bandwidth) -> list[dict]:
     """Time every case (ours, and the PyTorch peer where there is one); print a line each."""
     rows = []
     for op, phase, fn, key, nbytes, flops in cases(args.batch_size, rng, args.precision):
+        if args.ops and op not in args.ops.split(","):
+            continue
         ms = time_numba(fn)
         torch_ms = math.nan
         if torch is not None and key:
@@ -258,6 +261,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="bf16")
+    parser.add_argument("--ops", help="time only these ops, comma-separated (e.g. rmsnorm,add_rmsnorm)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
     try:

@@ -8,7 +8,13 @@
 #               from the same weights and batches
 #   generation: a `gpu` model trained 300 steps, decoding tests and the decoding benchmark
 #   dist:       the NCCL communicator and the captured step with the all-reduce inside (one rank)
-# (default: tests training generation dist)
+#   sizes:      the step of gpu-medium and gpu-large (context 1024) against PyTorch, with and without
+#               --recompute
+#   serve:      the load test of `nanoeuler-run serve` on a `gpu` model: 1, 16 and 64 streaming clients
+#   cpu:        the CPU step against PyTorch on 2 of the machine's cores (taskset) and on 16
+#   startup:    seconds from `nanoeuler-run pretrain` (small, CPU, 2 cores) to the end of its first step,
+#               with an empty kernel cache and then with the cache it filled
+# (default: tests training generation dist; TESTS_K=expr limits the GPU tests to pytest -k expr)
 set -uo pipefail
 log_dir=${1:-gpu-logs}
 shift || true
@@ -22,7 +28,7 @@ NE="python3 -m nanoeuler_core.cli"
 
 for stage in $stages; do case $stage in
 tests)
-    timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider -W ignore::numba.core.errors.NumbaPerformanceWarning \
+    timeout 420 python3 -m pytest -q -o addopts="" -m gpu tests -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} -W ignore::numba.core.errors.NumbaPerformanceWarning \
         2>&1 | tail -n 25 | tee "$log_dir/tests.log"
     timeout 200 $NE selftest --backend cuda --precision bf16 2>&1 | quiet | tee "$log_dir/selftest_bf16.log"
     timeout 240 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 --warmup 3 --profile \
@@ -43,7 +49,7 @@ generation)
         --new-tokens 256 2>&1 | quiet | tee "$log_dir/generate_b1.log"
     timeout 120 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 8 --prompt-tokens 16 \
         --new-tokens 256 --no-peers 2>&1 | quiet | tee "$log_dir/generate_b8.log"
-    timeout 200 python3 -m pytest -q -m gpu tests/test_generate_gpu.py -p no:cacheprovider \
+    timeout 200 python3 -m pytest -q -o addopts="" -m gpu tests/test_generate_gpu.py -p no:cacheprovider \
         -W ignore::numba.core.errors.NumbaPerformanceWarning 2>&1 | tail -n 8 | tee "$log_dir/generate_tests.log"
     ;;
 dist)
@@ -52,5 +58,40 @@ dist)
         timeout 90 "$mpiexec" -n 1 python3 bench/bench_dist.py --variant "$variant" --batch-size 32 --steps 20 --warmup 3
     done 2>&1 | quiet | tee "$log_dir/dist_steps.jsonl"
     python3 bench/dist_compare.py steps "$log_dir/dist_steps.jsonl" | tee "$log_dir/dist_summary.txt"
+    ;;
+sizes)
+    for preset in gpu-medium gpu-large; do
+        timeout 300 $NE bench --preset $preset --backend cuda --batch-size 16 --precision bf16 --steps 10 --warmup 3 \
+            2>&1 | quiet | tee "$log_dir/bench_$preset.log"
+        timeout 120 $NE bench --preset $preset --backend cuda --batch-size 16 --precision bf16 --steps 10 --warmup 3 \
+            --recompute --no-peers 2>&1 | quiet | tee "$log_dir/bench_${preset}_recompute.log"
+    done
+    ;;
+serve)
+    run_dir=/tmp/nanoeuler-serve/run
+    rm -rf /tmp/nanoeuler-serve
+    timeout 120 $NE pretrain --preset gpu --backend cuda --steps 30 --batch-size 16 --eval-every 30 --ckpt-every 30 \
+        --out "$run_dir" 2>&1 | tail -n 3 | tee "$log_dir/pretrain_serve.log"
+    timeout 420 python3 bench/load_serve.py "$run_dir" --backend cuda --clients 1,16,64 --duration ${SERVE_SECONDS:-60} \
+        --log "$log_dir/serve_server.log" 2>&1 | tee "$log_dir/serve_load.log"
+    ;;
+cpu)
+    for threads in 2 16; do
+        for preset in small cpu-medium; do   # Numba's, OpenBLAS's and PyTorch's threads: one per core given
+            NUMBA_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads timeout 200 taskset -c 0-$((threads - 1)) $NE bench --preset $preset --backend cpu --steps 10 --warmup 3 \
+                2>&1 | quiet | tee "$log_dir/bench_cpu_${preset}_$threads.log"
+        done
+    done
+    ;;
+startup)
+    cache=$(mktemp -d)
+    for state in cold warm; do
+        rm -rf /tmp/nanoeuler-startup
+        start=$(date +%s.%N)
+        NUMBA_CACHE_DIR=$cache NUMBA_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 timeout 300 taskset -c 0-1 $NE pretrain \
+            --steps 1 --eval-every 1 --ckpt-every 1 --out /tmp/nanoeuler-startup >> "$log_dir/startup.txt" 2>&1
+        status=$?
+        echo "startup $state: $(python3 -c "print(f'{$(date +%s.%N) - $start:.1f}')") s (exit $status)" | tee -a "$log_dir/startup.txt"
+    done
     ;;
 esac; done

@@ -54,4 +54,4 @@ run "$mpiexec" -n 1 python3 -m nanoeuler_core.cli pretrain "${common[@]}" --zero
 python3 bench/dist_compare.py runs /tmp/ne-dist-plain /tmp/ne-dist-zero | tee -a "$log_dir/summary.txt"
 
 # 5. this feature's tests, on the GPU (micro-batches in a captured graph, NCCL and ZeRO-1 on one rank) and the CPU
-python3 -m pytest -q tests/test_distributed.py -p no:cacheprovider 2>&1 | tee "$log_dir/tests.log"
+python3 -m pytest -q -o addopts="" tests/test_distributed.py -p no:cacheprovider 2>&1 | tee "$log_dir/tests.log"

@@ -11,7 +11,7 @@ log_dir=${2:-gpu-logs/generate}
 mkdir -p "$log_dir"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$log_dir/gpu.txt"
-python3 -m pytest -q -m gpu tests/test_generate_gpu.py -p no:cacheprovider 2>&1 | tee "$log_dir/gpu_tests.log"
+python3 -m pytest -q -o addopts="" -m gpu tests/test_generate_gpu.py -p no:cacheprovider 2>&1 | tee "$log_dir/gpu_tests.log"
 python3 -m nanoeuler_core.cli selftest --backend cuda 2>&1 \
     | grep -E "norm_linear|norm_swiglu|linear_residual|decode_attention| sample|FAIL|selftest" | tee "$log_dir/selftest.log"
 if [ -z "$run_dir" ]; then

@@ -19,8 +19,9 @@ def backward(dy, saved, x, w, *, into=None):
 
 
 def sample_inputs(rng):
-    # (N, C, O): a single row and feature; odd sizes; O > C and O < C.
-    for n, c, o in ((1, 1, 1), (7, 13, 17), (33, 64, 40)):
+    # (N, C, O): a single row and feature; odd sizes; O > C and O < C; two tiles of rows, of
+    # outputs and of features, the last ones short (the CUDA simulator's matmul takes 16 x 16 tiles).
+    for n, c, o in ((1, 1, 1), (7, 13, 17), (17, 20, 18)):
         x = rng.standard_normal((n, c))
         w = rng.standard_normal((o, c)) / c ** 0.5
         yield Sample((x, w), grad_inputs=(0, 1), name=f"N{n}_C{c}_O{o}")

@@ -30,4 +30,5 @@ def sample_inputs(rng):
         yield Sample((x, w, r), name=f"N{n}_I{i}_O{o}")
 
 
-OP = define_op(globals(), "Decoding: r + x @ w.T (a residual update), batch-invariant (forward only)")
+OP = define_op(globals(), "Decoding: r + x @ w.T (a residual update), batch-invariant (forward only)",
+                precisions={"cuda": ("bf16",)})

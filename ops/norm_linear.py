@@ -39,4 +39,5 @@ def sample_inputs(rng):
         yield Sample((x, g, w), {"eps": 1e-5}, name=f"N{n}_C{c}_O{o}")
 
 
-OP = define_op(globals(), "Decoding: rmsnorm(x; g) @ w.T in one pass, batch-invariant (forward only)")
+OP = define_op(globals(), "Decoding: rmsnorm(x; g) @ w.T in one pass, batch-invariant (forward only)",
+                precisions={"cuda": ("bf16",)})

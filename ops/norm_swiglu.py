@@ -38,4 +38,5 @@ def sample_inputs(rng):
         yield Sample((x, g, w), {"eps": 1e-5}, name=f"N{n}_C{c}_F{f}")
 
 
-OP = define_op(globals(), "Decoding: silu(h w_gate.T) * (h w_up.T) with h = rmsnorm(x; g), batch-invariant (forward only)")
+OP = define_op(globals(), "Decoding: silu(h w_gate.T) * (h w_up.T) with h = rmsnorm(x; g), batch-invariant (forward only)",
+                precisions={"cuda": ("bf16",)})

@@ -4,8 +4,13 @@ step of self-speculative decoding with the multi-token-prediction heads.
 Shapes: logits (B, T, K, V), the K heads' logits at the T tokens just fed to each row;
 tokens (B, K) int, in place: the T fed tokens in tokens[:, :T] (T <= K), the next ones out;
 drafts (B, K - 1, V), in place: the distributions the fed proposals were drawn from, the new
-ones out; seeds, counters, pos (B,) int, counters and pos in place -> accepted (B,) int; saved ().
-Attrs: temperature (0 = greedy), top_k (0 = off), top_p (1 = off), max_pos.
+ones out; seeds, counters, pos (B,) int, counters and pos in place; each row's sampling:
+temperature (B,) float (0 = greedy), top_k (B,) int (0 = off), top_p (B,) float (1 = off)
+-> accepted (B,) int; saved (). Attrs: max_pos.
+
+Sampling is per row, an input rather than an attribute, so that rows decoding for different
+requests (a server's continuous batching) share one step, and a captured step reads whatever the
+rows' settings are when it is replayed.
 
 For row b, tokens[b, 0] is final (it was drawn from head 0) and tokens[b, 1:T] are proposals:
 tokens[b, i] was drawn from drafts[b, i - 1] (head i at the row's previous position) and is
@@ -25,8 +30,8 @@ exactly plain greedy decoding's. With K = T = 1 it is plain sampling.
 
 Distributions: softmax(logits / temperature) over the top_k largest logits (ties at the k-th
 kept), then over the most likely tokens holding top_p of the mass (every token at least as likely
-as the least likely one needed). Greedy takes the first largest logit; drafts are then neither
-read nor written. A draw with uniform u in [0, 1) takes the first token whose cumulative weight,
+as the least likely one needed). Greedy (a row at temperature 0) takes the first largest logit; that row's drafts are then
+neither read nor written. A draw with uniform u in [0, 1) takes the first token whose cumulative weight,
 in vocabulary order, exceeds u times the total.
 
 Randomness is counter-based, the same on every backend: counters[b] is the index, among the
@@ -65,17 +70,21 @@ def uniform(seed, counter, stream):
 
 
 def check_args(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p):
-    """Raise ValueError unless shapes and attributes fit together (every backend calls this)."""
+    """Raise ValueError unless shapes fit together, and where the sampling settings are host arrays,
+    unless they are valid (every backend calls this; a device's arrays are its caller's to check)."""
     if logits.ndim != 4:
         raise ValueError(f"sample: logits must be (B, T, K, V), got {logits.shape}")
     B, T, K, V = logits.shape
     if tokens.shape != (B, K) or drafts.shape != (B, K - 1, V) or T > K or \
-            not seeds.shape == counters.shape == pos.shape == (B,):
-        raise ValueError(f"sample: logits {logits.shape} need tokens (B, K), drafts (B, K - 1, V), seeds, counters "
-                         f"and pos (B,) with T <= K; got {tokens.shape}, {drafts.shape}, {seeds.shape}, "
-                         f"{counters.shape}, {pos.shape}")
-    if not temperature >= 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"sample: need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+            not seeds.shape == counters.shape == pos.shape == temperature.shape == top_k.shape == top_p.shape == (B,):
+        raise ValueError(f"sample: logits {logits.shape} need tokens (B, K), drafts (B, K - 1, V), seeds, counters, "
+                         f"pos, temperature, top_k and top_p (B,) with T <= K; got {tokens.shape}, {drafts.shape}, "
+                         f"{seeds.shape}, {counters.shape}, {pos.shape}, {temperature.shape}, {top_k.shape}, "
+                         f"{top_p.shape}")
+    if all(isinstance(a, np.ndarray) for a in (temperature, top_k, top_p)) and \
+            not (np.all(temperature >= 0) and np.all(top_k >= 0) and np.all((0 < top_p) & (top_p <= 1))):
+        raise ValueError(f"sample: need temperature >= 0, top_k >= 0, 0 < top_p <= 1 in every row; got "
+                         f"{temperature}, {top_k}, {top_p}")
 
 
 def warped(logits, temperature, top_k, top_p):
@@ -103,13 +112,15 @@ def draw(weights, u):
     return i if i < weights.size else int(np.nonzero(weights)[0][-1])
 
 
-def forward(logits, tokens, drafts, seeds, counters, pos, *, temperature, top_k, top_p, max_pos):
+def forward(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, *, max_pos):
     check_args(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p)
     B, T, K, V = logits.shape
-    greedy = temperature == 0
     accepted = np.empty(B, dtype=np.int64)
+    temperatures, top_ks, top_ps = temperature, top_k, top_p
     for b in range(B):
         seed, n = int(seeds[b]), int(counters[b])
+        temperature, top_k, top_p = float(temperatures[b]), int(top_ks[b]), float(top_ps[b])
+        greedy = temperature == 0
         m, following = 1, None
         for i in range(1, max(1, min(T, max_pos - int(pos[b])))):
             y = int(tokens[b, i])
@@ -143,30 +154,38 @@ def forward(logits, tokens, drafts, seeds, counters, pos, *, temperature, top_k,
 
 
 def sample_inputs(rng):
-    # (B, T, K, V, temperature, top_k, top_p): plain greedy and plain sampling (T = K = 1); the first
-    # draw after a prompt (T = 1, K = 3, top-k and top-p); speculative steps, greedy and sampled,
-    # with proposals that head 0 agrees with, proposals it does not, and a row capped by max_pos.
+    # (B, T, K, V, temperature, top_k, top_p), the sampling settings of each row (one value: every
+    # row's): plain greedy and plain sampling (T = K = 1); the first draw after a prompt (T = 1,
+    # K = 3, top-k and top-p); speculative steps, greedy and sampled, with proposals that head 0
+    # agrees with, proposals it does not, and a row capped by max_pos; rows of different settings
+    # in one batch (greedy beside sampled and filtered; greedy beside sampled in speculative steps).
+    # (top-k and top-p are few: they bisect over 32 bits on the GPU, slow on the simulator.)
     cases = ((3, 1, 1, 13, 0.0, 0, 1.0), (2, 1, 1, 13, 0.9, 0, 1.0), (1, 1, 3, 11, 1.0, 5, 0.9),
-             (4, 3, 3, 7, 0.0, 0, 1.0), (4, 4, 4, 9, 0.8, 0, 1.0), (2, 3, 3, 10, 1.3, 4, 1.0))
+             (4, 3, 3, 7, 0.0, 0, 1.0), (4, 4, 4, 9, 0.8, 0, 1.0), (2, 3, 3, 10, 1.3, 4, 1.0),
+             (3, 1, 1, 13, (0.0, 0.9, 1.2), (0, 4, 0), (1.0, 1.0, 0.8)),
+             (4, 3, 3, 9, (0.8, 0.0, 1.3, 0.0), 0, 1.0))
     for b, t, k, v, temperature, top_k, top_p in cases:
+        temperature, top_k, top_p = (np.broadcast_to(np.asarray(x, dtype), b).copy() for x, dtype in
+                                     ((temperature, np.float64), (top_k, np.int64), (top_p, np.float64)))
         logits = 2.0 * rng.standard_normal((b, t, k, v))
-        drafts = np.stack([[warped(row, temperature or 1.0, top_k, top_p) for row in 2.0 * rng.standard_normal((k - 1, v))]
-                           for _ in range(b)]).reshape(b, k - 1, v)
+        drafts = np.stack([[warped(z, temperature[row] or 1.0, top_k[row], top_p[row])
+                            for z in 2.0 * rng.standard_normal((k - 1, v))] for row in range(b)]).reshape(b, k - 1, v)
         tokens = rng.integers(0, v, (b, k))
         for row in range(b):  # row r's first r proposals are head 0's (greedy) or the drafts' (sampling) favourites
+            greedy = temperature[row] == 0
             for i in range(1, min(t, row + 1)):
-                tokens[row, i] = np.argmax(logits[row, i - 1, 0]) if temperature == 0 else np.argmax(drafts[row, i - 1])
+                tokens[row, i] = np.argmax(logits[row, i - 1, 0]) if greedy else np.argmax(drafts[row, i - 1])
             for i in range(row + 1, t):
-                if temperature == 0 and tokens[row, i] == np.argmax(logits[row, i - 1, 0]):
+                if greedy and tokens[row, i] == np.argmax(logits[row, i - 1, 0]):
                     tokens[row, i] = (tokens[row, i] + 1) % v
         seeds = rng.integers(0, MAX_SEED, b)
         counters = rng.integers(-1, 50, b)
         pos = rng.integers(0, 20, b)
         pos[-1] = 25
         max_pos = 27  # the last row may keep at most 2 of its fed tokens
-        yield Sample((logits, tokens, drafts, seeds, counters, pos),
-                     {"temperature": temperature, "top_k": top_k, "top_p": top_p, "max_pos": max_pos},
-                     name=f"B{b}_T{t}_K{k}_V{v}_t{temperature}")
+        mixed = "mixed" if len(set(temperature.tolist())) > 1 else f"t{temperature[0]}"
+        yield Sample((logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p), {"max_pos": max_pos},
+                     name=f"B{b}_T{t}_K{k}_V{v}_{mixed}")
 
 
 OP = define_op(globals(), "Decoding: draw next tokens; verify speculative proposals (speculative sampling), counter-based RNG",

@@ -18,6 +18,60 @@ if not _cuda_driver_present():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
+def _simulator_polls_politely() -> None:
+    """Numba's CUDA simulator runs each CUDA thread of a block as a Python thread, and a manager
+    thread polls them, in a loop that never blocks, to release them together at syncthreads. That
+    loop keeps the GIL for a whole switch interval (5 ms) whenever it has it, so every barrier and
+    every thread's turn waits for it: the simulated kernels ran 1.4x (compute-bound attention) to
+    5x (the barrier-bound sampling and reductions) slower than needed. This is numba-cuda 0.30.4's
+    BlockManager.run with one change: the manager yields the GIL (sleep(0)) after each round of
+    polling. Another numba-cuda keeps its own loop (correct, only slower)."""
+    import importlib.metadata
+    import time
+
+    import numpy as np
+
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1" or importlib.metadata.version("numba-cuda") != "0.30.4":
+        return
+    from numba.cuda.simulator import kernel
+
+    def run(self, grid_point, *args):
+        threads, livethreads, blockedthreads = set(), set(), set()
+        for block_point in np.ndindex(*self._block_dim):
+            def target():
+                self._f(*args)
+
+            t = kernel.BlockThread(target, self, grid_point, block_point, self._debug)
+            t.start()
+            threads.add(t)
+            livethreads.add(t)
+        while livethreads:
+            for t in livethreads:
+                if t.syncthreads_blocked:
+                    blockedthreads.add(t)
+                elif t.exception:
+                    for t_other in threads:
+                        t_other.abort = True
+                        t_other.syncthreads_blocked = False
+                        t_other.syncthreads_event.set()
+                    raise t.exception[0].with_traceback(t.exception[1])
+            if livethreads == blockedthreads:
+                for t in blockedthreads:
+                    t.syncthreads_blocked = False
+                    t.syncthreads_event.set()
+                blockedthreads = set()
+            livethreads = {t for t in livethreads if t.is_alive()}
+            time.sleep(0)   # the one change: let the simulated threads run
+        for t in threads:
+            if t.exception:
+                raise t.exception[0].with_traceback(t.exception[1])
+
+    kernel.BlockManager.run = run
+
+
+_simulator_polls_politely()
+
+
 @pytest.fixture(scope="session")
 def tok():
     """A small tokenizer trained on prompts like the bundled instruction tasks."""

@@ -54,13 +54,13 @@ def test_bench_times_training_and_decoding():
                  "--steps", "1", "--no-peers")
     assert decode.returncode == 0, decode.stderr
     rows = {line.split("  ")[0]: line.split() for line in decode.stdout.splitlines() if line.startswith("nanoeuler")}
-    assert set(rows) == {"nanoeuler plain", "nanoeuler speculative"}
-    assert rows["nanoeuler plain"][-1] == "8/8" and rows["nanoeuler speculative"][-1] == "8/8"  # greedy: same tokens
-    assert "speculative decoding:" in decode.stdout
+    assert set(rows) == {"nanoeuler plain", "nanoeuler speculative", "nanoeuler default"}
+    assert all(row[-1] == "8/8" for row in rows.values())  # greedy: the same tokens whatever the mode
+    assert "speculative: fp32 weights" in decode.stdout and "default: fp32 weights" in decode.stdout
 
 
 def test_bench_errors_are_one_line(tmp_path):
-    cases = [(("--generate", "--precision", "bf16"), "decoding runs in float32"),
+    cases = [(("--generate", "--precision", "bf16"), "use fp32 weights"),
              (("--generate", "--run", str(tmp_path)), "is not a nanoeuler run directory"),
              (("--generate", "--new-tokens", "0"), "positive --prompt-tokens and --new-tokens"),
              (("--steps", "0",), "positive --steps")]

@@ -6,6 +6,8 @@ Most tests run on a tiny model trained for a few seconds on sequences that mostl
 cycle of tokens, so its multi-token heads agree with head 0 often but not always: speculative
 steps both keep and refuse proposals."""
 
+import itertools
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -46,9 +48,9 @@ def on_backend(model, backend):
 
 
 def decode(model, prompts, n, speculative, sampling=Sampling(0.0), seeds=None, eos_id=None, stats=None,
-           capture=True):
+           capture=True, weights=None):
     seeds = list(range(len(prompts))) if seeds is None else seeds
-    decoder = Decoder(model, len(prompts), speculative, sampling, capture=capture)
+    decoder = Decoder(model, len(prompts), speculative, sampling, capture=capture, weights=weights)
     return decoder.generate(prompts, n, seeds, eos_id, stats=stats)
 
 
@@ -105,8 +107,8 @@ def test_sampling_filters(backend):
     def drawn(temperature, top_k=0, top_p=1.0, rows=500):
         state = [be.asarray(a) for a in (np.zeros((rows, 1), np.int64), np.zeros((rows, 0, 4)), np.arange(rows),
                                           np.zeros(rows, np.int64), np.zeros(rows, np.int64))]
-        op.forward(be.asarray(np.tile(logits, (rows, 1, 1, 1))), *state, temperature=temperature, top_k=top_k,
-                   top_p=top_p, max_pos=100)
+        settings = [be.asarray(np.full(rows, x)) for x in (float(temperature), top_k, float(top_p))]
+        op.forward(be.asarray(np.tile(logits, (rows, 1, 1, 1))), *state, *settings, max_pos=100)
         return set(be.to_host(state[0])[:, 0].tolist())
 
     assert drawn(0.0) == {0}
@@ -138,24 +140,81 @@ def test_speculative_sampling_keeps_head0_distribution():
     assert 0.2 < stats.acceptance < 0.6
     keep = expected.reshape(-1) * draws >= 5                        # cells expected at least 5 times
     observed, predicted = counts.reshape(-1)[keep], expected.reshape(-1)[keep] * draws
-    observed = np.append(observed, draws - observed.sum())
-    predicted = np.append(predicted, draws - predicted.sum())
+    rest = draws - predicted.sum()                                  # the rarer cells, as one
+    if rest > 1e-6:
+        observed, predicted = np.append(observed, draws - observed.sum()), np.append(predicted, rest)
+    else:                                                           # they have no mass: never drawn
+        assert observed.sum() == draws
     chi2 = float(((observed - predicted) ** 2 / predicted).sum())
     df = observed.size - 1
     critical = df * (1 - 2 / (9 * df) + 3.09 * np.sqrt(2 / (9 * df))) ** 3   # p = 0.001 (Wilson-Hilferty)
     assert chi2 < critical, (chi2, critical, df)
 
 
-def test_captured_step_equals_the_cpu():
-    """The decode step through Backend.capture (the function itself on the simulator) gives the
-    CPU's tokens. A one-block model and a prefill plus one speculative step keep the simulator
-    quick; tests/test_generate_gpu.py checks captured graphs against eager launches on a GPU."""
+@pytest.mark.parametrize("wide_seconds, speculates", [(10.0, False), (1.0, True)])
+def test_policy_runs_the_faster_mode(cycle_model, wide_seconds, speculates):
+    """Told the step times (a step feeding proposals 10x, or 1x, a plain step's), the policy decodes
+    plainly where speculating costs more per token than it gains, and speculates where it pays
+    (this model's heads agree with head 0 most of the time); greedy tokens are plain decoding's."""
+    decoder = Decoder(cycle_model, 4, None, Sampling(0.0))
+    decoder.step_seconds = {(n, W): 1.0 if W == 1 else wide_seconds for n in (1, 2, 4) for W in (1, 2, 3)}
+    stats = DecodeStats()
+    assert decoder.generate(PROMPTS, 50, [0, 1, 2, 3], stats=stats) == decode(cycle_model, PROMPTS, 50, False)
+    assert stats.mode == ("speculative" if speculates else "plain")
+    assert (stats.acceptance > 0.5) if speculates else stats.proposed == 0
+    assert ("proposals accepted" if speculates else "plain decoding") in stats.line()
+
+
+def test_policy_measures_and_switches_widths_exactly(cycle_model):
+    """Whatever widths the steps take, one after another (proposals laid out again, some stale),
+    greedy tokens are plain decoding's; a greedy call measures every width first."""
+    plain = decode(cycle_model, PROMPTS, 50, False)
+    decoder = Decoder(cycle_model, 4, None, Sampling(0.0))
+    assert decoder.generate(PROMPTS, 50, [0, 1, 2, 3]) == plain
+    assert sorted(decoder.step_seconds) == [(n, W) for n in (1, 2, 4) for W in (1, 2, 3)]
+    assert all(seconds > 0 for seconds in decoder.step_seconds.values())
+    for pattern in ([1, 3], [3, 2, 1, 1], [2, 3, 3, 1]):
+        widths = itertools.cycle(pattern)
+        decoder.choose_width = lambda n: next(widths)
+        stats = DecodeStats()
+        assert decoder.generate(PROMPTS, 50, [0, 1, 2, 3], stats=stats) == plain
+        assert stats.mode == "mixed"
+
+
+def test_policy_keeps_sampled_rows_on_the_backends_width(cycle_model):
+    """While a sampled row is active, the policy's steps have the width the backend's traits give
+    (1 on the CPU) whatever it measured, so a sampled row decodes as with that mode forced, alone
+    or beside a greedy row, and the greedy row as plain decoding."""
+    sampling = Sampling(1.0, top_k=5)
+    decoder = Decoder(cycle_model, 2, None)
+    decoder.step_seconds = {(n, W): 1.0 for n in (1, 2) for W in (1, 2, 3)}   # speculating would pay
+    assert decoder.fixed_width() == 1
+    greedy = decoder.admit(0, PROMPTS[0], 0, Sampling(0.0), 20)
+    sampled = decoder.admit(1, PROMPTS[1], 5, sampling, 20)
+    while decoder.active_rows():
+        decoder.step()
+    assert decoder.speculative_steps == 0
+    assert greedy.new == decode(cycle_model, [PROMPTS[0]], 20, False)[0]
+    assert sampled.new == decode(cycle_model, [PROMPTS[1]], 20, False, sampling, seeds=[5])[0]
+
+
+def test_captured_step_equals_the_cpu_in_fp32_and_bf16():
+    """The decode step through Backend.capture (the function itself on the simulator) with float32
+    weights gives the CPU's tokens. With the default on the GPU, a bf16 copy of the weights and
+    float32 accumulation, greedy tokens are float32 decoding's until two candidates' logits lie
+    within bf16's rounding of each other, where they may part: on this one-block model they agree
+    (tests/test_generate_gpu.py decodes a trained model in bf16 on a GPU). A prefill plus one
+    speculative step keeps the simulator quick. The CPU has no bf16: one line."""
     cfg = ModelConfig(vocab_size=11, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=8, ctx_len=6, n_mtp=2)
     model = Model(cfg, backend="cuda", seed=2)
-    stats = DecodeStats()
-    captured = decode(model, [[1, 2]], 2, speculative=True, stats=stats)
-    assert stats.steps == 1
+    stats, bf16_stats = DecodeStats(), DecodeStats()
+    captured = decode(model, [[1, 2]], 2, speculative=True, stats=stats, weights="fp32")
+    assert stats.steps == 1 and stats.weights == "fp32"
     assert captured == decode(on_backend(model, "cpu"), [[1, 2]], 2, speculative=True)
+    assert decode(model, [[1, 2]], 2, speculative=True, stats=bf16_stats) == captured
+    assert bf16_stats.weights == "bf16" and "bf16 weights" in bf16_stats.line()
+    with pytest.raises(ValueError, match="use fp32 weights"):
+        Decoder(on_backend(model, "cpu"), 1, False, weights="bf16")
 
 
 def test_decoders_are_reused_and_follow_training(cycle_model):

@@ -79,23 +79,26 @@ def test_sample_matches_cpu_at_model_size(temperature, top_k, top_p):
                        for _ in range(B)])
     tokens = rng.integers(0, V, (B, K))
     tokens[:, 1] = np.argmax(logits[:, 0, 0], axis=-1) if temperature == 0 else np.argmax(drafts[:, 0], axis=-1)
-    inputs = (logits, tokens, drafts, rng.integers(0, 2**62, B), rng.integers(-1, 100, B), rng.integers(0, 400, B))
-    attrs = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "max_pos": 512}
+    settings = (np.full(B, float(temperature)), np.full(B, top_k), np.full(B, float(top_p)))   # every row's
+    inputs = (logits, tokens, drafts, rng.integers(0, 2**62, B), rng.integers(-1, 100, B), rng.integers(0, 400, B),
+              *settings)
+    attrs = {"max_pos": 512}
     gpu, cpu = _run("sample", inputs, attrs, "cuda"), _run("sample", inputs, attrs, "cpu")
     for g, c in zip(gpu, cpu):
         np.testing.assert_allclose(g, c, rtol=1e-4, atol=1e-6)
 
 
 def test_cuda_generation(cycle_model):  # noqa: F811
-    """On the GPU: the captured step equals eager launches, speculative greedy equals plain greedy,
-    a batch equals its rows alone (greedy and sampled), and greedy tokens equal the CPU's."""
+    """On the GPU (bf16 weights, the default): the captured step equals eager launches, speculative
+    greedy equals plain greedy, a batch equals its rows alone (greedy and sampled); with float32
+    weights, greedy tokens equal the CPU's."""
     model = on_backend(cycle_model, "cuda")
     stats = DecodeStats()
     plain = decode(model, PROMPTS, 50, speculative=False)
     assert plain == decode(model, PROMPTS, 50, speculative=False, capture=False)
     assert plain == decode(model, PROMPTS, 50, speculative=True, stats=stats)
     assert 0 < stats.accepted < stats.proposed
-    assert plain == decode(cycle_model, PROMPTS, 50, speculative=False)
+    assert decode(model, PROMPTS, 50, speculative=False, weights="fp32") == decode(cycle_model, PROMPTS, 50, False)
     sampling = Sampling(1.0, top_k=5, top_p=0.9)
     for speculative in (False, True):
         batch = decode(model, PROMPTS, 30, speculative, sampling, seeds=[7, 8, 9, 10])

@@ -231,3 +231,35 @@ def test_resume_keeps_the_runs_backend_unless_told(corpus_and_tokenizer, tmp_pat
     assert "backend reference" in resumed.stderr + resumed.stdout
     moved = cli("pretrain", "--resume", run_dir, "--steps", 4, "--backend", "cpu", "--sample-prompt", "x")
     assert moved.returncode == 0 and "backend cpu" in moved.stderr + moved.stdout, moved.stderr
+
+
+def test_recompute_trains_exactly_as_keeping_activations(corpus_and_tokenizer, tmp_path):
+    """Activation recomputation changes memory, not the run: through the captured training step,
+    validation and a resume, the same losses and weights as a run that keeps its activations; a
+    resumed run keeps its choice unless told, and fine-tuning takes it from its TrainConfig."""
+    from nanoeuler_core.training import sft
+
+    plain = train.start_run(tmp_path / "plain", config(corpus_and_tokenizer, steps=6), quiet)
+    train.train(plain, quiet)
+    recomputed = train.start_run(tmp_path / "recomputed",
+                                 config(corpus_and_tokenizer, steps=3, decay_steps=6, recompute=True), quiet)
+    assert recomputed.model.recompute and not plain.model.recompute
+    train.train(recomputed, quiet)
+    resumed = train.resume_run(tmp_path / "recomputed", {"steps": 6}, quiet)
+    assert resumed.model.recompute
+    train.train(resumed, quiet)
+    assert losses(tmp_path / "recomputed") == losses(tmp_path / "plain")
+    a, b = load_model(tmp_path / "recomputed")[0].params, load_model(tmp_path / "plain")[0].params
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+    assert not train.resume_run(tmp_path / "recomputed", {"recompute": False}, quiet).model.recompute
+    tc = sft.fine_tune_config(tmp_path / "plain", steps=1, recompute=True)
+    model, _, _ = sft.new_run_from(tmp_path / "plain", tmp_path / "sft", tc, {"stage": "sft"}, quiet)
+    assert model.recompute
+
+
+def test_recompute_flag_reaches_the_run(corpus_and_tokenizer, tmp_path):
+    run_dir = tmp_path / "run"
+    result = cli(*pretrain_args(corpus_and_tokenizer, run_dir, 2, "--recompute", "--sample-prompt", "x"))
+    assert result.returncode == 0, result.stderr
+    assert "activations recomputed" in result.stderr
+    assert checkpoint.read_json(run_dir / "config.json")["training"]["recompute"] is True

@@ -1,15 +1,16 @@
-"""Decoding speed: nanoeuler's plain and self-speculative decoding against PyTorch on the same
-weights, each with a KV cache, in one run.
+"""Decoding speed: nanoeuler's plain, self-speculative and default (the policy that chooses per
+step, decode.py) decoding against PyTorch on the same weights, each with a KV cache, in one run.
 
 Each engine runs in its own process (separate thread pools, compilation caches and peak memory):
-nanoeuler plain, nanoeuler speculative, PyTorch eager with a static KV cache, and on a GPU
+nanoeuler plain, speculative and default, PyTorch eager with a static KV cache, and on a GPU
 PyTorch with torch.compile(mode="reduce-overhead"): the static cache and one decoding step
-captured as a CUDA graph, as gpt-fast does. Everything is float32 (TF32 off), greedy by default,
-on one CPU thread for both engines on a CPU,
+captured as a CUDA graph, as gpt-fast does. nanoeuler reads bf16 or float32 weights (`weights`;
+default bf16 where the backend runs it), accumulating in float32; PyTorch is float32 (TF32 off).
+Greedy by default, on one CPU thread for both engines on a CPU,
 the same prompt for every row. A run is a full generation (prefill + new tokens) of `tokens` new
 tokens per row; tokens/s is rows x tokens over its wall time, the median of `repeats` runs after
-one warm-up (compilation, graph capture). The speculative speed-up needs trained weights (a
-random model's heads agree with nothing): pass a run directory.
+one warm-up (compilation, graph capture, and the policy's step timings). The speculative speed-up
+needs trained weights (a random model's heads agree with nothing): pass a run directory.
 """
 
 from __future__ import annotations
@@ -50,12 +51,13 @@ def bench_prompt(cfg, tok, length: int) -> list[int]:
     return tok.encode(text[start:start + 40 * length])[:length]
 
 
-def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, temperature, speculative) -> dict:
+def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, temperature, speculative,
+                     weights) -> dict:
     from nanoeuler_core.inference.decode import DecodeStats, Sampling, decoder_for
 
     model, tok = load_weights(preset, run, backend)
     ids = bench_prompt(model.cfg, tok, prompt)
-    decoder = decoder_for(model, batch_size, speculative, Sampling(temperature))
+    decoder = decoder_for(model, batch_size, speculative, Sampling(temperature), weights)
     seeds = list(range(batch_size))
     out = decoder.generate([ids] * batch_size, tokens, seeds)   # warm-up: compilation, graph capture
     times, stats = [], DecodeStats()
@@ -64,7 +66,9 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
         decoder.generate([ids] * batch_size, tokens, seeds, stats=stats)
         times.append(time.perf_counter() - t)
     return {"median_s": statistics.median(times), "memory_mb": memory_mb(model.backend), "tokens": out[0],
-            "acceptance": stats.acceptance, "per_step": stats.tokens_per_step}
+            "acceptance": stats.acceptance, "per_step": stats.tokens_per_step, "mode": stats.mode,
+            "speculative_steps": stats.speculative_steps / stats.steps if stats.steps else 0.0,
+            "weights": stats.weights}
 
 
 def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, compile) -> dict:
@@ -125,7 +129,7 @@ def _agreement(tokens: list[int], reference: list[int]) -> str:
 
 def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None, batch_size: int = 1,
         prompt: int = 16, tokens: int = 256, repeats: int = 3, temperature: float = 0.0, peers: bool = True,
-        echo=print) -> dict:
+        weights: str | None = None, echo=print) -> dict:
     """Measure every engine, print a table, return the numbers."""
     from nanoeuler_core import ModelConfig, registry
 
@@ -140,17 +144,16 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
         tokens = cfg.ctx_len - prompt
         echo(f"(new tokens capped at {tokens}: the prompt and the new tokens fit the context of {cfg.ctx_len})")
     machine = be.device_name()
-    weights = f"weights of {run_dir}" if run_dir else "random weights (seed 0)"
+    source = f"weights of {run_dir}" if run_dir else "random weights (seed 0)"
     mode = "greedy" if temperature == 0 else f"temperature {temperature}"
-    echo(f"decoding, {cfg.n_params():,} parameters ({weights}), {machine}, batch {batch_size}, prompt {prompt}, "
-         f"{tokens} new tokens, {mode}, float32; median of {repeats} after a warm-up")
+    echo(f"decoding, {cfg.n_params():,} parameters ({source}), {machine}, batch {batch_size}, prompt {prompt}, "
+         f"{tokens} new tokens, {mode}; median of {repeats} after a warm-up")
     common = dict(preset=preset, run=run_dir, backend=backend, batch_size=batch_size, prompt=prompt, tokens=tokens,
                   repeats=repeats)
     rows = {}
-    for speculative in (False, True):
-        name = "nanoeuler speculative" if speculative else "nanoeuler plain"
+    for speculative, name in ((False, "nanoeuler plain"), (True, "nanoeuler speculative"), (None, "nanoeuler default")):
         rows[name] = _run_worker({**common, "engine": "nanoeuler", "temperature": temperature,
-                                  "speculative": speculative}, MODULE)
+                                  "speculative": speculative, "weights": weights}, MODULE)
     if peers and temperature == 0:
         try:
             import torch  # noqa: F401  (only to know whether the peers can run)
@@ -172,10 +175,11 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
         same = _agreement(r["tokens"], plain["tokens"]) if plain and temperature == 0 else "-"
         echo(f"{name:<44}{r['tokens_per_s']:>10.0f}{r['median_s'] / tokens * 1e3:>10.3f}{r['memory_mb']:>11.0f}"
              f"{ratio:>10}{same:>13}")
-    speculative = rows.get("nanoeuler speculative")
-    if speculative:
-        echo(f"speculative decoding: {speculative['acceptance']:.1%} of proposals accepted, "
-             f"{speculative['per_step']:.2f} tokens per row and step")
+    for name in ("nanoeuler speculative", "nanoeuler default"):
+        r = rows.get(name)
+        if r:
+            echo(f"{name.removeprefix('nanoeuler ')}: {r['weights']} weights, {r['mode']} ({r['speculative_steps']:.0%} of steps speculative), "
+                 f"{r['acceptance']:.1%} of proposals accepted, {r['per_step']:.2f} tokens per row and step")
     best = max((r["tokens_per_s"] for n, r in rows.items() if r and n.startswith("nanoeuler")), default=0.0)
     for name, r in rows.items():
         if r is not None and name.startswith("torch"):

@@ -38,13 +38,13 @@ def memory_mb(backend) -> float:
 
 
 def worker_nanoeuler(preset: str, backend: str, batch_size: int, steps: int, warmup: int, precision: str,
-                     profile: bool) -> dict:
+                     profile: bool, recompute: bool = False) -> dict:
     from nanoeuler_core import Model, ModelConfig
     from nanoeuler_core.engine.optim import AdamW
     from nanoeuler_core.training.step import TrainStep
 
     cfg = ModelConfig.preset(preset)
-    model = Model(cfg, backend=backend, seed=0, precision=precision)
+    model = Model(cfg, backend=backend, seed=0, precision=precision, recompute=recompute)
     step = TrainStep(model, AdamW(model))
     inputs, targets = _batch(cfg, batch_size)
     times, memory = [], 0.0
@@ -108,7 +108,7 @@ def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup:
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
     on_cpu = torch.device(device).type == "cpu"
     if on_cpu:
-        torch.set_num_threads(os.cpu_count())
+        torch.set_num_threads(cpu_threads())
     cfg = ModelConfig.preset(preset)
     model = TorchModel(cfg, device=device).load(Model(cfg, backend="cpu", seed=0).params).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
@@ -129,6 +129,13 @@ def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup:
         if i >= warmup:
             times.append(time.perf_counter() - t)
     return {"median_s": statistics.median(times), "memory_mb": memory_mb(device), "torch": torch.__version__}
+
+
+def cpu_threads() -> int:
+    """The threads a CPU engine gets here: NUMBA_NUM_THREADS where set (nanoeuler's count), else the
+    cores this process may run on (its affinity: `taskset -c 0,1` makes a 2-core machine)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return int(os.environ.get("NUMBA_NUM_THREADS") or 0) or cores
 
 
 def peak_rss_mb() -> float:
@@ -170,18 +177,20 @@ def start_time(cache_dir: str) -> float:
 
 
 def run(preset: str, backend: str, batch_size: int, steps: int, warmup: int, precision: str, profile: bool,
-        peers: bool, echo=print) -> dict:
+        peers: bool, echo=print, recompute: bool = False) -> dict:
     """Measure nanoeuler and its PyTorch peers; print a table; return the numbers."""
     from nanoeuler_core import ModelConfig, registry
 
     be = registry.backend(backend)
     cfg = ModelConfig.preset(preset)
     tokens = batch_size * cfg.ctx_len
-    machine = be.device_name()
+    machine = be.device_name() + (f", {cpu_threads()} threads" if be.peer_device == "cpu" else "")
     echo(f"preset {preset} ({cfg.n_params():,} parameters), batch {batch_size} x {cfg.ctx_len}, {machine}, "
-         f"training step (forward, backward, clipping, AdamW), median of {steps} after {warmup} warm-up")
+         f"training step (forward, backward, clipping, AdamW), median of {steps} after {warmup} warm-up"
+         + ("; nanoeuler recomputes activations (--recompute)" if recompute else ""))
     common = dict(preset=preset, backend=backend, batch_size=batch_size, steps=steps, warmup=warmup, precision=precision)
-    rows = {f"nanoeuler {backend} {precision}": _run_worker({**common, "engine": "nanoeuler", "profile": profile})}
+    rows = {f"nanoeuler {backend} {precision}": _run_worker({**common, "engine": "nanoeuler", "profile": profile,
+                                                             "recompute": recompute})}
     if peers:
         try:
             import torch  # noqa: F401  (only to know whether the peers can run)

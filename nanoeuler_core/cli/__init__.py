@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from nanoeuler_core.cli import data, engine, evaluate, finetune, interop, tokenizer, train
+from nanoeuler_core.cli import data, engine, evaluate, finetune, interop, serve, tokenizer, train
 
 app = typer.Typer(help="nanoeuler: train, check and sample a GPT-2-class model on a hand-written Numba engine.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -18,6 +18,7 @@ train.register(app)
 finetune.register(app)
 interop.register(app)
 evaluate.register(app)
+serve.register(app)
 
 
 def main() -> None:

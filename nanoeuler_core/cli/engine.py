@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from nanoeuler_core import registry
+from nanoeuler_core.cli.train import RECOMPUTE_HELP
 from nanoeuler_core.engine import gradcheck
 from nanoeuler_core.training.step import check_graph_replay
 
@@ -126,7 +127,7 @@ def selftest(
 
 
 def bench(
-    preset: str = typer.Option("small", help="model preset"),
+    preset: str = typer.Option("small", help="model preset: small, cpu-medium, gpu, gpu-medium or gpu-large"),
     backend: str = typer.Option("cpu", help="cpu or cuda"),
     batch_size: Optional[int] = typer.Option(None, help="sequences per step (default 8; with --generate: rows "
                                                         "decoded together, default 1)"),
@@ -134,12 +135,14 @@ def bench(
                                                    "default 3)"),
     warmup: int = typer.Option(3, help="untimed steps first (compilation, graph capture)"),
     precision: Optional[str] = typer.Option(None, help="fp32, tf32 or bf16, in both engines (default: bf16 on a CUDA "
-                                                       "GPU with tensor cores, fp32 on the CPU)"),
+                                                       "GPU with tensor cores, fp32 on the CPU); with --generate: "
+                                                       "bf16 or fp32, the weights nanoeuler's decoding reads"),
     profile: bool = typer.Option(False, help="also time each op in an eager step"),
+    recompute: bool = typer.Option(False, help="nanoeuler with " + RECOMPUTE_HELP),
     peers: bool = typer.Option(True, help="compare with PyTorch where it is installed"),
     startup: bool = typer.Option(False, help="also time a cold (empty kernel cache) and a warm start"),
-    generate: bool = typer.Option(False, help="time decoding instead of training: plain and speculative, against "
-                                              "PyTorch with a KV cache (and torch.compile on a GPU)"),
+    generate: bool = typer.Option(False, help="time decoding instead of training: plain, speculative and the default "
+                                              "policy, against PyTorch with a KV cache (and torch.compile on a GPU)"),
     run: Optional[Path] = typer.Option(None, help="with --generate: the run directory whose weights to decode "
                                                   "with (default: random weights of --preset)"),
     prompt_tokens: int = typer.Option(16, help="with --generate: prompt length in tokens"),
@@ -157,14 +160,17 @@ def bench(
     if generate:
         from nanoeuler_core.bench import generation
 
-        if precision not in (None, "fp32"):
-            raise ValueError("decoding runs in float32: --precision applies to the training benchmark")
+        from nanoeuler_core.inference.decode import check_weights
+
+        if precision not in (None, "fp32", "bf16"):
+            raise ValueError("decoding reads bf16 or fp32 weights: pass --precision bf16 or fp32 with --generate")
+        check_weights(backend, precision)
         if prompt_tokens < 1 or new_tokens < 1 or temperature < 0:
             raise ValueError("bench --generate needs positive --prompt-tokens and --new-tokens, and --temperature >= 0")
         if run is not None and not (run / "config.json").is_file():
             raise ValueError(f"{run} is not a nanoeuler run directory (no config.json)")
         generation.run(preset, backend, str(run) if run else None, batch_size, prompt_tokens, new_tokens, steps,
-                       temperature, peers, echo=typer.echo)
+                       temperature, peers, precision, echo=typer.echo)
         return
     from nanoeuler_core.bench import training as benchmark
 
@@ -174,7 +180,8 @@ def bench(
             cold, warm = benchmark.start_time(cache), benchmark.start_time(cache)
         typer.echo(f"start of a small forward+backward on the CPU: cold {cold:.1f} s (compiling kernels), "
                    f"warm {warm:.1f} s (cached kernels)")
-    benchmark.run(preset, backend, batch_size, steps, warmup, precision, profile, peers, echo=typer.echo)
+    benchmark.run(preset, backend, batch_size, steps, warmup, precision, profile, peers, echo=typer.echo,
+                  recompute=recompute)
 
 
 def register(app: typer.Typer) -> None:

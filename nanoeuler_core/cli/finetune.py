@@ -8,7 +8,7 @@ from typing import Iterator, Optional
 
 import typer
 
-from nanoeuler_core.cli.train import PRECISION_HELP, SPECULATIVE_HELP, log_run, rank0_log, stream_text
+from nanoeuler_core.cli.train import PRECISION_HELP, RECOMPUTE_HELP, SPECULATIVE_HELP, log_run, rank0_log, stream_text
 from nanoeuler_core.inference.chat import Conversation
 from nanoeuler_core.inference.decode import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling, generate, prompt_ids
@@ -47,6 +47,7 @@ def sft_command(
     eval_every: int = typer.Option(100, help="held-out loss every N steps"),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
     precision: Optional[str] = typer.Option(None, help=PRECISION_HELP),
+    recompute: bool = typer.Option(False, help=RECOMPUTE_HELP),
     template: Optional[str] = typer.Option(None, help=SFT_TEMPLATE_HELP),
 ) -> None:
     """Fine-tune a pretrained run on instructions; reports held-out exact match before and after.
@@ -58,7 +59,7 @@ def sft_command(
         log = rank0_log(job)
         tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
                                   zero=zero, lr=lr, seed=seed, eval_every=eval_every, val_fraction=val_fraction,
-                                  precision=precision)
+                                  precision=precision, recompute=recompute)
         chat_template = sft.sft_template(base, template)
         run, heldout = sft.start_sft(base, data, out, tc, log, chat_template)
         log_run(run, log)
@@ -96,6 +97,7 @@ def dpo_command(
     eval_every: int = typer.Option(50, help="held-out preference accuracy every N steps"),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
     precision: Optional[str] = typer.Option(None, help=PRECISION_HELP),
+    recompute: bool = typer.Option(False, help=RECOMPUTE_HELP),
 ) -> None:
     """Align a run with preference pairs (DPO); reports held-out preference accuracy before and after.
 
@@ -106,7 +108,7 @@ def dpo_command(
         log = rank0_log(job)
         tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
                                   zero=zero, lr=lr, seed=seed, eval_every=eval_every, val_fraction=val_fraction,
-                                  precision=precision)
+                                  precision=precision, recompute=recompute)
         trainer = dpo.start_dpo(base, data, out, tc, beta, log)
         log_run(trainer.run, log)
         heldout = trainer.heldout

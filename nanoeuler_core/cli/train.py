@@ -20,10 +20,14 @@ from nanoeuler_core.training import pretrain as training
 
 DEFAULT = {f.name: f.default for f in fields(training.TrainConfig)}
 PRECISION_HELP = "fp32, tf32 or bf16 (default: bf16 on a CUDA GPU with tensor cores, fp32 on the CPU)"
+RECOMPUTE_HELP = ("activation recomputation (llm.c's -r): keep only each block's input and run its forward again "
+                  "in the backward; about one block's activations instead of all of them, for one more forward pass "
+                  "of the blocks; the same gradients")
 
 
 def pretrain(
-    preset: str = typer.Option("small", help="model preset: small (CPU, minutes) or gpu (116M parameters)"),
+    preset: str = typer.Option("small", help="model preset: small (CPU, minutes), cpu-medium (14M), gpu "
+                                             "(116M parameters), gpu-medium (292M) or gpu-large (634M)"),
     backend: Optional[str] = typer.Option(None, help="cpu, cuda or reference (default: cpu; with --resume: the run's own)"),
     corpus: Optional[Path] = typer.Option(None, help="UTF-8 text file (default: the bundled Shakespeare)"),
     tokenizer: Optional[Path] = typer.Option(None, help="tokenizer.json to use (default: train one on the corpus)"),
@@ -46,6 +50,8 @@ def pretrain(
     sample_prompt: str = typer.Option("\n", help="prompt of the sample printed at the end"),
     precision: Optional[str] = typer.Option(None, help=PRECISION_HELP + "; with --resume: the run's own"),
     eager: bool = typer.Option(False, help="CUDA: launch each kernel from Python instead of replaying the captured step"),
+    recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute",
+                                             help=RECOMPUTE_HELP + " (default: off; with --resume: the run's own)"),
     eval_hellaswag_every: Optional[int] = typer.Option(None, help="HellaSwag acc and acc_norm every N steps "
                                                                   "into metrics.jsonl (default: never)"),
     hellaswag_file: Optional[Path] = typer.Option(None, help="HellaSwag JSONL (default: where `data hellaswag` "
@@ -64,7 +70,7 @@ def pretrain(
         if resume is not None:
             overrides = ({"precision": precision, "eager": eager}
                          | {k: v for k, v in (("backend", backend), ("steps", steps), ("grad_accum", grad_accum),
-                                              ("zero", zero)) if v is not None})
+                                              ("zero", zero), ("recompute", recompute)) if v is not None})
             run = training.resume_run(resume, overrides | hellaswag_settings, log)
         else:
             tc = training.TrainConfig(preset=preset, backend=backend or "cpu", corpus=str(corpus) if corpus else None,
@@ -72,7 +78,8 @@ def pretrain(
                                       batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
                                       zero=zero or 0,
                                       lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
-                                      ckpt_every=ckpt_every, precision=precision, eager=eager, **hellaswag_settings)
+                                      ckpt_every=ckpt_every, precision=precision, eager=eager,
+                                      recompute=bool(recompute), **hellaswag_settings)
             if tc.eval_hellaswag_every:
                 hellaswag_path(tc)  # a missing file fails now, not after minutes of tokenizer training
             run = training.start_run(out, tc, log)
@@ -118,7 +125,7 @@ def log_run(run, log) -> None:
                   f"{ranks} rank{'s' if ranks > 1 else ''}{' (AdamW state sharded)' if run.optimizer.zero else ''}: "
                   f"{training.rows_per_step(tc)} sequences per step")
     log(f"run {run.dir}: {cfg.n_params():,} parameters ({tc.preset}), backend {tc.backend} ({tc.precision}), {shape}, "
-        f"steps {run.optimizer.step_count} -> {tc.steps}")
+        f"steps {run.optimizer.step_count} -> {tc.steps}" + (", activations recomputed" if tc.recompute else ""))
 
 
 def hellaswag_path(tc: training.TrainConfig) -> Path:
@@ -132,7 +139,9 @@ def stream_text(piece: str) -> None:
 
 
 SPECULATIVE_HELP = ("self-speculative decoding with the multi-token-prediction heads: the same greedy output, "
-                    "the same sampling distribution (default: on where it is usually faster, --backend cuda)")
+                    "the same sampling distribution (default: greedy steps speculate where measured faster; "
+                    "sampled ones where the backend's wide steps are cheap, --backend cuda)")
+DECODE_WEIGHTS_HELP = "bf16 or fp32: the weights decoding reads (default: bf16 where the backend runs it, a GPU)"
 
 
 def generate(
@@ -145,6 +154,7 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="seed for reproducible samples (sample i uses seed + i)"),
     num_samples: int = typer.Option(1, help="continuations of PROMPT, generated together as one batch"),
     speculative: Optional[bool] = typer.Option(None, "--speculative/--no-speculative", help=SPECULATIVE_HELP),
+    decode_weights: Optional[str] = typer.Option(None, help=DECODE_WEIGHTS_HELP),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
 ) -> None:
     """Continue PROMPT with the model in RUN_DIR, streaming tokens as they come (several samples:
@@ -156,7 +166,7 @@ def generate(
     prompt_ids(tok, prompt, model.cfg.ctx_len)  # a prompt longer than the context is refused before it is echoed
     stats = DecodeStats()
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                    speculative=speculative, stats=stats)
+                    speculative=speculative, stats=stats, weights=decode_weights)
     if num_samples == 1:
         typer.echo(prompt, nl=False)
         generate_text(model, tok, prompt, on_text=stream_text, **sampling)

@@ -1,4 +1,20 @@
-"""Model configuration: the fields of SPEC.md section 1, the presets, and the parameter layout."""
+"""Model configuration: the fields of SPEC.md section 1, the presets, and the parameter layout.
+
+The presets, by size (parameter counts exact, `tests/test_model.py` asserts them; each is a
+multiple of 8, so that ZeRO-1 shards the parameters evenly over 2, 4 or 8 ranks):
+
+| preset | dim | layers | heads / kv heads | hidden_dim | ctx_len | parameters | for |
+|---|---|---|---|---|---|---|---|
+| `small` | 128 | 4 | 4 / 2 | 344 | 128 | 1,053,824 | the CPU, minutes |
+| `cpu-medium` | 384 | 8 | 6 / 2 | 1024 | 256 | 13,572,480 | a CPU of many cores |
+| `gpu` | 768 | 16 | 12 / 4 | 2048 | 512 | 116,417,280 | one GPU |
+| `gpu-medium` | 1024 | 24 | 16 / 4 | 2816 | 1024 | 291,554,304 | one GPU (GPT-2 medium's width and depth) |
+| `gpu-large` | 1280 | 36 | 20 / 5 | 3328 | 1024 | 633,826,560 | one GPU with `--recompute` (GPT-2 large's) |
+
+The GPU presets share a 4,096-entry vocabulary, K = 4 heads, head_dim 64, a few query heads per
+key/value head (3 in `gpu`, 4 in the larger two) and hidden_dim = 8/3 dim rounded to a multiple
+of 256. With the vocabulary of GPT-2 (50,257) the larger two would be its 350M and 774M.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +22,13 @@ from dataclasses import asdict, dataclass, fields
 
 PRESETS = {
     "small": dict(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=344, ctx_len=128, n_mtp=4),
+    "cpu-medium": dict(vocab_size=512, dim=384, n_layers=8, n_heads=6, n_kv_heads=2, hidden_dim=1024, ctx_len=256,
+                       n_mtp=4),
     "gpu": dict(vocab_size=4096, dim=768, n_layers=16, n_heads=12, n_kv_heads=4, hidden_dim=2048, ctx_len=512, n_mtp=4),
+    "gpu-medium": dict(vocab_size=4096, dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, hidden_dim=2816, ctx_len=1024,
+                       n_mtp=4),
+    "gpu-large": dict(vocab_size=4096, dim=1280, n_layers=36, n_heads=20, n_kv_heads=5, hidden_dim=3328, ctx_len=1024,
+                      n_mtp=4),
 }
 
 

@@ -20,10 +20,21 @@ parameters live in one flat buffer with named views, matrices first so that weig
 the prefix [0, n_decay); the gradients live in a twin buffer, into which every op's backward adds
 its parameter gradient in place (the buffer is zeroed once at the start of a step), as llm.c does.
 
+The K heads and their cross-entropy are one registered op, `classifier` (llm.c's fused
+classifier): it makes the logits a chunk of rows at a time and, in training, turns each chunk into
+its losses and its gradient in place, so the (N, V) logits of the heads never exist at once.
+
 Training goes through two public calls: `prepare(inputs, targets)` turns a host batch into a
 `Batch` on the backend (ids, each head's targets, each row's weight in the objective), and
 `forward_backward(batch)` runs the forward and the backward, filling the gradient buffer; both
 are what a captured training step (nanoeuler_core.training.step) replays.
+
+Activation recomputation (`recompute=True`, the command line's `--recompute`, llm.c's `-r`): the
+forward keeps only each block's input (`BlockInput`) instead of its whole `BlockCache`, and the
+backward runs a block's forward again from that input just before the block's backward, as
+activation checkpointing does. Peak activation memory drops to about one block's cache plus the
+blocks' inputs, for one more forward of the blocks; the kernels are deterministic, so the
+gradients are the same, bit for bit. `forward_backward` is the one place that chooses.
 
 Precision (SPEC.md section 7, nanoeuler_core.registry.Precision): FP32; TF32 (float32 storage,
 TF32 matrix products); BF16 (mixed precision: the float32 buffer holds the master weights and
@@ -49,8 +60,16 @@ from nanoeuler_core.engine.checkpoint import FORMAT, CheckpointError, load_tenso
 from nanoeuler_core.engine.config import ModelConfig
 
 MODEL_OPS = ("embedding", "rmsnorm", "add_rmsnorm", "linear", "qkv_rope", "attention", "swiglu", "add",
-             "cross_entropy")
+             "classifier")
 STACKED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}   # one matrix product each
+
+
+@dataclass
+class BlockInput:
+    """What recomputation keeps of a block: its input, from which the backward runs its forward again."""
+
+    x: object           # the residual stream entering the block (N, C)
+    h_attn: object      # rmsnorm(x; attn_norm) (N, C), as the norm before the block computed it
 
 
 @dataclass
@@ -94,8 +113,10 @@ def _computing(method):
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, backend: str = "cpu", seed: int = 0, precision: str | None = None):
+    def __init__(self, cfg: ModelConfig, backend: str = "cpu", seed: int = 0, precision: str | None = None,
+                 recompute: bool = False):
         self.cfg = cfg
+        self.recompute = recompute   # training keeps only each block's input, and recomputes the rest (see above)
         self.backend_name = backend
         self.backend = registry.usable_backend(backend)
         self.precision = self.backend.check_precision(precision or self.backend.default_precision)
@@ -123,6 +144,8 @@ class Model:
         self.grads = self._views(self.grad_flat)
         self.layers = self.block_weights(self.compute_flat)
         self.layer_grads = self.block_weights(self.grad_flat)
+        heads = [f"heads.{j}" for j in range(cfg.n_mtp)]
+        self.heads, self.head_grads = self.stacked(self.compute_flat, heads), self.stacked(self.grad_flat, heads)  # (K V, C)
         # the norm after each block: the next block's attn_norm, the final norm after the last
         self.next_norms = [L.attn_norm for L in self.layers[1:]] + [self.weights["norm"]]
         self.next_norm_grads = [G.attn_norm for G in self.layer_grads[1:]] + [self.grads["norm"]]
@@ -288,42 +311,53 @@ class Model:
         out.host_weights = weights
         return out
 
-    def loss_of(self, batch: Batch, losses: list) -> float:
+    def loss_of(self, batch: Batch, losses) -> float:
         """The objective's value: sum(weights * per-row losses) of what forward_backward returned."""
         return float((batch.host_weights * self._host_losses(losses)).sum())
 
-    def _host_losses(self, losses: list) -> np.ndarray:
-        return np.stack([np.asarray(self.backend.to_host(l), dtype=np.float64) for l in losses])
+    def _host_losses(self, losses) -> np.ndarray:
+        """Per-row losses (backend (k, N)) as a host float64 array."""
+        return np.asarray(self.backend.to_host(losses), dtype=np.float64)
 
     # ----------------------------------------------------------------------------------------
     # forward
 
-    def _forward(self, ids, B: int, T: int):
-        """ids (N,) on the backend -> final hidden state (N, C) (after the final norm), per-block
-        caches, and the first norm's input and rstd."""
-        cfg, f = self.cfg, self.ops
-        N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
-
+    def _forward(self, ids, B: int, T: int, keep: str | None = None):
+        """ids (N,) on the backend -> final hidden state (N, C) (after the final norm), what each
+        block keeps for its backward (keep="cache": its BlockCache; "input": its BlockInput alone,
+        for recomputation; None: nothing), and the first norm's input and rstd."""
+        f, eps = self.ops, self.cfg.norm_eps
         x, _ = f.embedding.forward(ids, self.weights["tok_emb"])
         h_attn, (rstd,) = f.rmsnorm.forward(x, self.layers[0].attn_norm, eps=eps)
         first_saved = (x, rstd)
-        caches = []
-        for i, L in enumerate(self.layers):
-            # attention Euler step: x_mid = x + wo(attention(rope(q), rope(k), v)), h_attn = rmsnorm(x)
-            qkv, _ = f.linear.forward(h_attn, L.wqkv)
-            qkv = qkv.reshape(B, T, (H + 2 * KV) * D)
-            (q, k, v), _ = f.qkv_rope.forward(qkv, n_heads=H, n_kv_heads=KV, theta=cfg.rope_theta)
-            o, attn_saved = f.attention.forward(q, k, v)
-            attn_out, _ = f.linear.forward(o.reshape(N, H * D), L.wo)
-            (x_mid, h_ffn), ffn_saved = f.add_rmsnorm.forward(x, attn_out, L.ffn_norm, eps=eps)
-            # feed-forward Euler step: x_out = x_mid + w_down(silu(w_gate h) * w_up h), h = rmsnorm(x_mid)
-            gate_up, _ = f.linear.forward(h_ffn, L.w_gate_up)
-            act, _ = f.swiglu.forward(gate_up)
-            ffn_out, _ = f.linear.forward(act, L.w_down)
-            caches.append(BlockCache(h_attn, qkv, q, k, v, attn_saved, ffn_saved, h_ffn, gate_up, act, None))
-            # the step's residual add with the next norm: the next block's input and its normalised copy
-            (x, h_attn), caches[-1].out_saved = f.add_rmsnorm.forward(x_mid, ffn_out, self.next_norms[i], eps=eps)
-        return h_attn, caches, first_saved
+        kept = []
+        for i in range(self.cfg.n_layers):
+            block_input = BlockInput(x, h_attn)
+            x, h_attn, cache = self._block_forward(i, block_input, B, T)
+            if keep is not None:
+                kept.append(cache if keep == "cache" else block_input)
+            del cache   # unless kept, a block's cache is gone before the next block runs
+        return h_attn, kept, first_saved
+
+    def _block_forward(self, i: int, inp: BlockInput, B: int, T: int):
+        """Block i from its input -> the next block's input x (N, C), its normalised copy h (the
+        next block's attn_norm, or the final norm, applied), and what the block's backward needs."""
+        cfg, f, L = self.cfg, self.ops, self.layers[i]
+        N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
+        # attention Euler step: x_mid = x + wo(attention(rope(q), rope(k), v)), h_attn = rmsnorm(x)
+        qkv, _ = f.linear.forward(inp.h_attn, L.wqkv)
+        qkv = qkv.reshape(B, T, (H + 2 * KV) * D)
+        (q, k, v), _ = f.qkv_rope.forward(qkv, n_heads=H, n_kv_heads=KV, theta=cfg.rope_theta)
+        o, attn_saved = f.attention.forward(q, k, v)
+        attn_out, _ = f.linear.forward(o.reshape(N, H * D), L.wo)
+        (x_mid, h_ffn), ffn_saved = f.add_rmsnorm.forward(inp.x, attn_out, L.ffn_norm, eps=eps)
+        # feed-forward Euler step: x_out = x_mid + w_down(silu(w_gate h) * w_up h), h = rmsnorm(x_mid)
+        gate_up, _ = f.linear.forward(h_ffn, L.w_gate_up)
+        act, _ = f.swiglu.forward(gate_up)
+        ffn_out, _ = f.linear.forward(act, L.w_down)
+        # the step's residual add with the next norm: the next block's input and its normalised copy
+        (x_out, h_next), out_saved = f.add_rmsnorm.forward(x_mid, ffn_out, self.next_norms[i], eps=eps)
+        return x_out, h_next, BlockCache(inp.h_attn, qkv, q, k, v, attn_saved, ffn_saved, h_ffn, gate_up, act, out_saved)
 
     def _upload_ids(self, inputs):
         ids = self._check_inputs(inputs)
@@ -340,31 +374,24 @@ class Model:
     # ----------------------------------------------------------------------------------------
     # loss and backward
 
-    def _heads(self, h_final, head_targets, heads, weights=None):
-        """Per-row cross-entropy (N,) of each head j in `heads` against head_targets[j] (backend (K, N)).
+    def _heads(self, h_final, head_targets, weights=None):
+        """Per-row cross-entropy (k, N) of heads 0 .. k-1 against head_targets (backend (k, N)), by
+        the fused classifier op.
 
-        With `weights` (backend (K, N)), also the backward of sum(weights * losses): the heads'
-        gradients are added into the gradient buffer and dh_final (N, C) is returned.
-        Returns (losses per head, dh_final).
+        With `weights` (backend (k, N)), the same call also runs the backward of sum(weights *
+        losses): the heads' gradients are added into the gradient buffer and dh_final (N, C) is
+        returned. Returns (losses, dh_final or None).
         """
-        f = self.ops
-        losses, dh_final = [], None
-        for j in heads:
-            head = self.weights[f"heads.{j}"]
-            logits, _ = f.linear.forward(h_final, head)
-            losses_j, ce_saved = f.cross_entropy.forward(logits, head_targets[j])
-            losses.append(losses_j)
-            if weights is None:
-                continue
-            dlogits, _ = f.cross_entropy.backward(weights[j], ce_saved, logits, head_targets[j])
-            dh_final, _ = f.linear.backward(dlogits, (), h_final, head, into=(dh_final, self.grads[f"heads.{j}"]))
-        return losses, dh_final
+        rows = head_targets.shape[0] * self.cfg.vocab_size
+        losses, grads = self.ops.classifier.forward(h_final, self.heads[:rows], head_targets, dlosses=weights,
+                                                    into=(None, self.head_grads[:rows], None))
+        return losses, (grads[0] if weights is not None else None)
 
     @_computing
-    def forward_backward(self, batch: Batch, accumulate: bool = False, grads_ready=None) -> list:
+    def forward_backward(self, batch: Batch, accumulate: bool = False, grads_ready=None):
         """Forward, then the gradient of the batch's objective (sum of weights * per-row losses over
         every head) into `grad_flat`, added to what it holds with `accumulate` (micro-batches).
-        Returns the losses per head (backend (N,) each; `loss_of` sums them).
+        Returns the per-row losses of every head (backend (K, N); `loss_of` sums them).
 
         `grads_ready(names)`, if given, is called as soon as the gradients of those parameters are
         final, heads first and the embedding last (the data-parallel sums start from there).
@@ -373,35 +400,23 @@ class Model:
         if not accumulate:
             self.backend.zero_(self.grad_flat)
         grads_ready = grads_ready or (lambda names: None)
-        h_final, caches, first_saved = self._forward(batch.ids, batch.B, batch.T)
-        losses, dh_final = self._heads(h_final, batch.head_targets, range(self.cfg.n_mtp), batch.weights)
+        # the one choice of recomputation: keep every block's cache, or only its input
+        keep = "input" if self.recompute else "cache"
+        h_final, kept, first_saved = self._forward(batch.ids, batch.B, batch.T, keep)
+        losses, dh_final = self._heads(h_final, batch.head_targets, batch.weights)
         grads_ready([f"heads.{j}" for j in range(self.cfg.n_mtp)])
-        self._backward_blocks(dh_final, caches, first_saved, batch.ids, batch.B, batch.T, grads_ready)
+        self._backward_blocks(dh_final, kept, first_saved, batch.ids, batch.B, batch.T, grads_ready)
         return losses
 
-    def _backward_blocks(self, dh, caches: list[BlockCache], first_saved: tuple, ids, B: int, T: int,
-                         grads_ready) -> None:
+    def _backward_blocks(self, dh, kept: list, first_saved: tuple, ids, B: int, T: int, grads_ready) -> None:
         """Walk the blocks in reverse from dh (N, C), the gradient at the final norm's output, to
-        tok_emb, consuming `caches`; every weight's gradient is added into the gradient buffer, and
-        each block's parameters reported to `grads_ready` once their gradients are final."""
-        cfg, f = self.cfg, self.ops
-        N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
+        tok_emb, consuming what the forward kept of each block (its cache, or its input to run it
+        again from); every weight's gradient is added into the gradient buffer, and each block's
+        parameters reported to `grads_ready` once their gradients are final."""
+        cfg, f, eps = self.cfg, self.ops, self.cfg.norm_eps
         dx = None   # the gradient reaching the residual stream past the last block: none
         for i in reversed(range(cfg.n_layers)):
-            L, G, c = self.layers[i], self.layer_grads[i], caches.pop()  # c is dropped after this block
-            # feed-forward step's residual add and the next norm: dx_mid reaches both x_mid and ffn_out
-            dx_mid, _, _ = f.add_rmsnorm.backward((dx, dh), c.out_saved, None, None, self.next_norms[i], eps=eps,
-                                                  into=(None, None, self.next_norm_grads[i]))
-            dact, _ = f.linear.backward(dx_mid, (), c.act, L.w_down, into=(None, G.w_down))
-            (dgate_up,) = f.swiglu.backward(dact, (), c.gate_up)
-            dh_ffn, _ = f.linear.backward(dgate_up, (), c.h_ffn, L.w_gate_up, into=(None, G.w_gate_up))
-            # attention step's residual add and ffn_norm: dx reaches both the block input and attn_out
-            dx, dattn_out, _ = f.add_rmsnorm.backward((dx_mid, dh_ffn), c.ffn_saved, None, None, L.ffn_norm, eps=eps,
-                                                      into=(None, None, G.ffn_norm))
-            do, _ = f.linear.backward(dattn_out, (), c.attn_saved[0].reshape(N, H * D), L.wo, into=(None, G.wo))
-            dq, dk, dv = f.attention.backward(do.reshape(B, T, H, D), c.attn_saved, c.q, c.k, c.v)
-            (dqkv,) = f.qkv_rope.backward((dq, dk, dv), (), c.qkv, n_heads=H, n_kv_heads=KV, theta=cfg.rope_theta)
-            dh, _ = f.linear.backward(dqkv.reshape(N, (H + 2 * KV) * D), (), c.h_attn, L.wqkv, into=(None, G.wqkv))
+            dx, dh = self._block_backward(i, self._block_cache(i, kept.pop(), B, T), dx, dh, B, T)
             # final now: the block's own parameters but attn_norm (the block below adds to it), and the next norm
             grads_ready([n for n in self.layout if n.startswith(f"layers.{i}.") and not n.endswith(".attn_norm")]
                         + [f"layers.{i + 1}.attn_norm" if i + 1 < cfg.n_layers else "norm"])
@@ -412,6 +427,33 @@ class Model:
         dx, _ = f.add.forward(dx, dx_norm)
         f.embedding.backward(dx, (), ids, self.weights["tok_emb"], into=(None, self.grads["tok_emb"]))
         grads_ready(["layers.0.attn_norm", "tok_emb"])
+
+    def _block_cache(self, i: int, kept, B: int, T: int) -> BlockCache:
+        """Block i's cache: as the forward kept it, or its forward run again from the kept input
+        (recomputation: the same kernels on the same input, so the same values)."""
+        return kept if isinstance(kept, BlockCache) else self._block_forward(i, kept, B, T)[2]
+
+    def _block_backward(self, i: int, c: BlockCache, dx, dh, B: int, T: int):
+        """Block i's backward: from dx (N, C), the gradient reaching the residual stream past the
+        block (None past the last), and dh (N, C), the one at the next norm's output, to those at
+        the block's input and at its attn_norm's output; the block's weight gradients (and the
+        next norm's) are added into the gradient buffer. The cache `c` dies with the call."""
+        cfg, f, L, G = self.cfg, self.ops, self.layers[i], self.layer_grads[i]
+        N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
+        # feed-forward step's residual add and the next norm: dx_mid reaches both x_mid and ffn_out
+        dx_mid, _, _ = f.add_rmsnorm.backward((dx, dh), c.out_saved, None, None, self.next_norms[i], eps=eps,
+                                              into=(None, None, self.next_norm_grads[i]))
+        dact, _ = f.linear.backward(dx_mid, (), c.act, L.w_down, into=(None, G.w_down))
+        (dgate_up,) = f.swiglu.backward(dact, (), c.gate_up)
+        dh_ffn, _ = f.linear.backward(dgate_up, (), c.h_ffn, L.w_gate_up, into=(None, G.w_gate_up))
+        # attention step's residual add and ffn_norm: dx reaches both the block input and attn_out
+        dx, dattn_out, _ = f.add_rmsnorm.backward((dx_mid, dh_ffn), c.ffn_saved, None, None, L.ffn_norm, eps=eps,
+                                                  into=(None, None, G.ffn_norm))
+        do, _ = f.linear.backward(dattn_out, (), c.attn_saved[0].reshape(N, H * D), L.wo, into=(None, G.wo))
+        dq, dk, dv = f.attention.backward(do.reshape(B, T, H, D), c.attn_saved, c.q, c.k, c.v)
+        (dqkv,) = f.qkv_rope.backward((dq, dk, dv), (), c.qkv, n_heads=H, n_kv_heads=KV, theta=cfg.rope_theta)
+        dh, _ = f.linear.backward(dqkv.reshape(N, (H + 2 * KV) * D), (), c.h_attn, L.wqkv, into=(None, G.wqkv))
+        return dx, dh
 
     def loss_and_backward(self, inputs, targets) -> float:
         """The training loss; fills the gradient buffer `grad_flat` (and the `grads` views) without host copies."""
@@ -430,11 +472,14 @@ class Model:
         ids, ids_dev = self._upload_ids(inputs)
         head_targets = self.head_targets(self._check_targets(targets, ids))
         valid = head_targets >= 0
-        active = [j for j in range(self.cfg.n_mtp) if valid[j].any()]
-        h_final, _, _ = self._forward(ids_dev, *ids.shape)
-        losses, _ = self._heads(h_final, self.backend.asarray(head_targets), active)
+        # the heads with a target are a prefix: head j has one wherever head j + 1 has one a step earlier
+        n_active = int(valid.any(axis=1).sum())
         means = np.full(self.cfg.n_mtp, np.nan)
-        means[active] = (self._host_losses(losses) * valid[active]).sum(axis=1) / valid[active].sum(axis=1)
+        if n_active:
+            h_final, _, _ = self._forward(ids_dev, *ids.shape)
+            losses, _ = self._heads(h_final, self.backend.asarray(head_targets[:n_active]))
+            valid = valid[:n_active]
+            means[:n_active] = (self._host_losses(losses) * valid).sum(axis=1) / valid.sum(axis=1)
         return means
 
     def loss(self, inputs, targets) -> float:
@@ -448,7 +493,7 @@ class Model:
         ids, ids_dev = self._upload_ids(inputs)
         targets = self._check_targets(targets, ids)
         h_final, _, _ = self._forward(ids_dev, *ids.shape)
-        losses, _ = self._heads(h_final, self.backend.asarray(targets.reshape(1, -1)), [0])
+        losses, _ = self._heads(h_final, self.backend.asarray(targets.reshape(1, -1)))
         return -self._host_losses(losses)[0].reshape(ids.shape)
 
     def logprob_backward(self, inputs, targets, weights, accumulate: bool = False) -> np.ndarray:

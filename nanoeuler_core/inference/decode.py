@@ -3,8 +3,8 @@ self-speculative with the multi-token-prediction heads.
 
 One `Decoder` serves one model and one batch size. It holds, on the model's backend, a KV cache
 (B, S, KV, D) per block and the decoding state: the tokens to feed next (B, K), each row's
-position and RNG counter and seed (B,), and the proposals' distributions (B, K - 1, V). A step
-is backend work only, built from registered ops:
+position, RNG counter, seed and sampling settings (B,), and the proposals' distributions
+(B, K - 1, V). A step is backend work only, built from registered ops:
 
     embedding -> per block: norm_linear (q, k, v) -> decode_attention (RoPE, cache, attention)
                  -> linear_residual (wo) -> norm_swiglu (gate, up) -> linear_residual (w_down)
@@ -14,12 +14,29 @@ so the backend captures it once (a CUDA graph on the GPU) and replays it; only t
 counts and the next tokens come back to the host each step. The prompt is prefilled in one pass
 per row (not captured: its length varies).
 
-Plain decoding feeds one token per row and step, and uses head 0. Speculative decoding (K =
-n_mtp heads) feeds the K tokens [next, proposal 1, ..., proposal K-1], where proposal j came from
-head j at the row's last position; `sample` keeps the proposals head 0 agrees with (exactly
-speculative sampling when sampling) and draws the next token and proposals from the last kept
-position. Entries cached for refused proposals are overwritten by later steps before any query
-can read them (a query at position p reads keys 0..p only).
+Plain decoding feeds one token per row and step, and uses head 0. Speculative decoding with k
+proposals (k < K = n_mtp heads) feeds the k + 1 tokens [next, proposal 1, ..., proposal k], where
+proposal j came from head j at the row's last position, and computes heads 0..k; `sample` keeps
+the proposals head 0 agrees with (exactly speculative sampling when sampling) and draws the next
+token and k proposals from the last kept position. Entries cached for refused proposals are
+overwritten by later steps before any query can read them (a query at position p reads keys 0..p
+only). A step of width W = k + 1 reads the rows' tokens as one contiguous (B, W) block (the
+embedding's ids); when the width changes, the host lays the tokens it holds out again at the new
+width before the step (two small copies), and proposals a narrower step never drew are stale ones.
+
+The policy (speculative=None, the default where the model has K > 1 heads). Each step, over the n
+rows it computes, it runs the width W in 1..K with the most expected tokens per second,
+(1 + expected proposals kept) / t(n, W): t(n, W) is the measured time of a step of width W over n
+rows (`measure`, run by `warm_up` and by a greedy `generate` call; or told, in `step_seconds`), and
+proposal j's acceptance is the running rate at which it was kept when the j - 1 before it were
+(counted over the decoder's life, from an optimistic start of 1 in 1, so that a new decoder tries
+speculation before it has seen any). Greedy rows give the same tokens whatever the widths (a
+proposal is kept only where it is head 0's argmax, stale or not). A sampled row's tokens do depend
+on the widths (a kept proposal was drawn from the draft stream, a plain token from the sample
+stream): while a sampled row is active, every step runs the width the backend's traits give, K
+where a multi-token step is cheap (`multi_token_step_cheap`), else 1, whatever the batch, the
+timings or the acceptance, so a sampled row's tokens depend only on its seed, as with a forced
+mode. Until the steps over n rows are measured, steps over n rows run that width too.
 
 Batch invariance. Every decoding op computes a row with the same operations in the same order
 whatever the batch, the number of tokens fed with it, or its place among them. So a token's
@@ -27,18 +44,36 @@ logits are bit for bit the same decoded alone, in a batch, after a one-pass pref
 speculative proposals: greedy speculative output equals plain greedy output exactly, and a row
 of a batch equals the same prompt decoded alone (sampling too: each row has its own RNG stream).
 
+Rows. `generate` decodes a batch of prompts to the end. A server drives the rows one at a time
+instead (continuous batching): `admit` starts a free row on a prompt with its own seed and sampling
+(prefilling that row alone), `step` advances every active row, `retire` frees a row whether or not
+it is done; rows join and leave between steps. A step computes rows 0..n-1 only, n the highest
+active row plus one, rounded up to a power of two (one captured step per such n): a server that
+fills the lowest free rows first pays for the rows it uses.
+
 Context. A prompt may fill the whole context (ctx_len tokens); a longer one is an error. When a
 row's next token would sit at position ctx_len, its cache is refilled with the last ctx_len // 2
 tokens of the row and decoding goes on (plain and speculative refill at the same token, so they
 still agree). The cache has K - 1 positions of slack past ctx_len where a speculative step may
 write proposals that are never kept.
 
-Shapes: B rows, K tokens fed per step (1 plain, n_mtp speculative), S = ctx_len + K - 1 cache
-positions, C = dim, H query heads, KV key/value heads of D dims, V = vocab_size.
+Weights. Where the backend runs bf16 and the decoding ops read bf16 weights there, the blocks'
+matrices and norm scales and the heads are read from a bf16 copy (the model's own compute copy
+when it runs in bf16, else one the decoder makes and refreshes at each `generate` call), with
+float32 accumulation and a float32 residual stream; the embedding table and the final norm stay
+float32. That halves the bytes a step reads. Tokens are then those of slightly different logits:
+greedy bf16 decoding follows float32 decoding until two tokens are within bf16's rounding of
+each other (near-ties), then the two may part (tests/test_generate.py states how far they agree).
+`weights="fp32"` reads the float32 master weights.
+
+Shapes: B rows, K heads used (1 plain, n_mtp otherwise), W = tokens fed per row in a step (1..K),
+S = ctx_len + K - 1 cache positions, C = dim, H query heads, KV key/value heads of D dims,
+V = vocab_size.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from dataclasses import dataclass
@@ -49,6 +84,7 @@ import numpy as np
 from nanoeuler_core import registry
 
 DECODE_OPS = ("embedding", "norm_linear", "decode_attention", "linear_residual", "norm_swiglu", "sample")
+WEIGHT_OPS = ("norm_linear", "linear_residual", "norm_swiglu")   # the decoding ops that read bf16 weights
 MAX_SEED = 2**62          # row seeds live in [0, MAX_SEED) (the sample op's RNG key)
 DECODERS_PER_MODEL = 4    # decoders (KV caches, captured graphs) kept per model for later calls
 
@@ -62,25 +98,36 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
 
-    def attrs(self) -> dict:
-        return {"temperature": float(self.temperature), "top_k": int(self.top_k or 0),
-                "top_p": float(1.0 if self.top_p is None else self.top_p)}
+    def settings(self) -> tuple[float, int, float]:
+        """(temperature, top_k, top_p) as the sample op reads them: top_k 0 and top_p 1 mean off."""
+        return float(self.temperature), int(self.top_k or 0), float(1.0 if self.top_p is None else self.top_p)
 
 
 @dataclass
 class DecodeStats:
-    """What a generation did: new tokens, decoding steps after the prefill (and steps summed over
-    the rows still decoding), speculative proposals offered and kept, and wall-clock seconds
-    (prefill included)."""
+    """What a generation did: new tokens, decoding steps after the prefill (those that fed
+    proposals, and steps summed over the rows still decoding), speculative proposals fed and kept,
+    wall-clock seconds (prefill included), and the storage of the weights read."""
 
     tokens: int = 0
     steps: int = 0
+    speculative_steps: int = 0
     row_steps: int = 0
     proposed: int = 0
     accepted: int = 0
     seconds: float = 0.0
-    speculative: bool = False
     rows: int = 0
+    weights: str = ""
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_steps > 0
+
+    @property
+    def mode(self) -> str:
+        """"plain", "speculative", or "mixed" where the policy ran both."""
+        return "plain" if not self.speculative_steps else "speculative" if self.speculative_steps == self.steps \
+            else "mixed"
 
     @property
     def acceptance(self) -> float:
@@ -92,12 +139,15 @@ class DecodeStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def line(self) -> str:
-        """One line for a log: tokens, speed, and for speculative decoding the acceptance."""
+        """One line for a log: tokens, speed, the mode, and for speculative steps the acceptance."""
         text = f"{self.tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_s:,.0f} tokens/s"
-        text += f", {self.rows} rows)" if self.rows > 1 else ")"
+        text += f", {self.rows} rows" if self.rows > 1 else ""
+        text += f", {self.weights} weights)" if self.weights else ")"
         if self.speculative:
-            text += (f"; speculative: {self.accepted}/{self.proposed} proposals accepted ({self.acceptance:.0%}), "
-                     f"{self.tokens_per_step:.2f} tokens per row and step")
+            text += (f"; speculative in {self.speculative_steps}/{self.steps} steps: {self.accepted}/{self.proposed} "
+                     f"proposals accepted ({self.acceptance:.0%}), {self.tokens_per_step:.2f} tokens per row and step")
+        else:
+            text += "; plain decoding"
         return text
 
     @property
@@ -107,34 +157,53 @@ class DecodeStats:
 
 
 class Decoder:
-    """Batched decoding of `batch_size` rows of one model, plain or speculative, on its backend."""
+    """Batched decoding of `batch_size` rows of one model on its backend: plain (speculative=False),
+    speculative with every head (True), or the policy above (None); a batch of prompts at once
+    (`generate`), or rows that start and end on their own (`admit`, `step`, `retire`). `sampling`
+    is the rows' sampling where `generate` is not told another; `weights` "bf16" or "fp32" (default:
+    bf16 where the backend and the decoding ops run it)."""
 
-    def __init__(self, model, batch_size: int, speculative: bool, sampling: Sampling, capture: bool = True):
+    def __init__(self, model, batch_size: int, speculative: bool | None = None, sampling: Sampling = Sampling(),
+                 capture: bool = True, weights: str | None = None):
         cfg = model.cfg
         if speculative and cfg.n_mtp < 2:
             raise ValueError("speculative decoding needs the multi-token-prediction heads, and this model has "
                              "n_mtp = 1: pass --no-speculative (speculative=False)")
         self.model, self.cfg, self.be = model, cfg, model.backend
-        self.batch, self.speculative, self.sampling, self.capture = batch_size, speculative, sampling, capture
-        self.K = cfg.n_mtp if speculative else 1
+        self.batch, self.sampling, self.capture = batch_size, sampling, capture
+        self.K = 1 if speculative is False else cfg.n_mtp
+        self.policy = speculative is None and self.K > 1   # else every step has width K
         self.ops = registry.kernels_on(model.backend_name, DECODE_OPS)
-        self.attrs = {**sampling.attrs(), "max_pos": cfg.ctx_len}
+        self.weights = check_weights(model.backend_name, weights)
         self.S = cfg.ctx_len + self.K - 1
         self._check_memory()
         B, K, S, be = batch_size, self.K, self.S, self.be
         shape = (B, S, cfg.n_kv_heads, cfg.head_dim)
         try:
             self.caches = [(be.zeros(shape), be.zeros(shape)) for _ in range(cfg.n_layers)]
-            self.tokens = be.zeros((B, K), dtype=np.int64)
-            self.drafts = be.zeros((B, K - 1, cfg.vocab_size))
+            # each row's next token and proposals, (B, W) at the current width W, and the proposals' distributions
+            self.tokens = be.zeros((B * K,), dtype=np.int64)
+            self.drafts = be.zeros((B * (K - 1), cfg.vocab_size))
             self.seeds, self.counters, self.pos = (be.zeros((B,), dtype=np.int64) for _ in range(3))
+            # each row's sampling (the sample op's inputs): temperature in the backend's floats, top_p in float64
+            self.temperature, self.top_k, self.top_p = be.zeros((B,)), be.zeros((B,), dtype=np.int64), \
+                be.zeros((B,), dtype=np.float64)
             self._bind_weights()
         except Exception as exc:  # MemoryError on the CPU, the driver's CUDA_ERROR_OUT_OF_MEMORY on a GPU
             if isinstance(exc, MemoryError) or "OUT_OF_MEMORY" in str(exc):
                 raise ValueError(self._too_large("memory free on the device")) from None
             raise
-        self.state = (self.tokens, self.drafts, self.seeds, self.counters, self.pos)
-        self._replay = None
+        be.copy_(self.top_p, np.ones(B))
+        self.rows: list[Row | None] = [None] * B     # the row decoding in each slot, None where free
+        self.greedy = np.zeros(B, dtype=bool)        # whether each row decodes greedily
+        self.width = K                               # tokens per row in the device's token block
+        self._pending = np.zeros((B, K), dtype=np.int64)   # per row: its next token (already kept), then proposals
+        self._replays = {}                           # (rows computed, width) -> the captured step
+        self.step_seconds: dict[tuple[int, int], float] = {}   # (rows computed, width) -> a step's seconds
+        # counted over the decoder's life (DecodeStats; the policy's acceptance): proposal j offered (the
+        # j - 1 before it kept) and kept, at offered[j - 1] and kept[j - 1]
+        self.steps = self.speculative_steps = self.row_steps = self.proposed = self.accepted = 0
+        self.offered, self.kept = np.zeros(K - 1, dtype=np.int64), np.zeros(K - 1, dtype=np.int64)
 
     def _check_memory(self) -> None:
         """A clear error, before allocating, for a batch whose cache and buffers cannot fit in the
@@ -154,12 +223,21 @@ class Decoder:
                 f"buffers, more than the {what}: generate fewer rows at once (--num-samples, or fewer prompts)")
 
     def _bind_weights(self) -> None:
-        """The parameters in the shapes the decoding ops read: views of the master weights, with the
-        model's stacked matrices (wqkv, w_gate_up) and the K heads stacked by rows."""
+        """The parameters in the shapes the decoding ops read: views of the master weights or of a
+        bf16 copy (see Weights above), with the model's stacked matrices (wqkv, w_gate_up) and the
+        K heads stacked by rows."""
         m = self.model
+        self._own_copy = None   # a bf16 copy of the weights this decoder made, refreshed by `generate`
+        flat = m.flat
+        if self.weights == "bf16":
+            if m.precision.storage == "bf16":
+                flat = m.compute_flat   # the model keeps it current
+            else:
+                flat = self._own_copy = self.be.zeros(m.n_params, "bf16")
+                self.be.copy_(flat, m.flat)
         self.w = SimpleNamespace(tok_emb=m.master["tok_emb"], norm=m.master["norm"],
-                                 heads=m.stacked(m.flat, [f"heads.{j}" for j in range(self.K)]))
-        self.layers = m.block_weights(m.flat)
+                                 heads=m.stacked(flat, [f"heads.{j}" for j in range(self.K)]))
+        self.layers = m.block_weights(flat)
 
     # ----------------------------------------------------------------------------------------
     # the forward
@@ -181,115 +259,262 @@ class Decoder:
             x, _ = f.linear_residual.forward(act, L.w_down, x)
         return x
 
+    def _state(self, first: int, n: int, W: int) -> tuple:
+        """The sample op's state of rows first..first+n-1 at width W: tokens (n, W), drafts (n, W - 1, V),
+        seeds, counters, pos and the sampling settings (n,)."""
+        rows = slice(first, first + n)
+        tokens = self.tokens[first * W:(first + n) * W].reshape(n, W)
+        drafts = self.drafts[first * (W - 1):(first + n) * (W - 1)].reshape(n, W - 1, self.cfg.vocab_size)
+        return (tokens, drafts) + tuple(a[rows] for a in (self.seeds, self.counters, self.pos, self.temperature,
+                                                            self.top_k, self.top_p))
+
     def _sample(self, x, B: int, T: int, state):
-        """Heads on x (B*T, C), then the sample op on `state` (tokens, drafts, seeds, counters, pos
-        of B rows): the accepted counts (B,)."""
-        f, cfg = self.ops, self.cfg
-        logits, _ = f.norm_linear.forward(x, self.w.norm, self.w.heads, eps=cfg.norm_eps)
-        accepted, _ = f.sample.forward(logits.reshape(B, T, self.K, cfg.vocab_size), *state, **self.attrs)
+        """Heads 0..W-1 on x (B*T, C), W the width of `state` (tokens, drafts, seeds, counters, pos and
+        the sampling settings of B rows), then the sample op on it: the accepted counts (B,)."""
+        f, cfg, W = self.ops, self.cfg, state[0].shape[1]
+        logits, _ = f.norm_linear.forward(x, self.w.norm, self.w.heads[:W * cfg.vocab_size], eps=cfg.norm_eps)
+        accepted, _ = f.sample.forward(logits.reshape(B, T, W, cfg.vocab_size), *state, max_pos=cfg.ctx_len)
         return accepted
 
-    def _step(self):
-        """One decoding step of every row from the state buffers (backend work only: capturable)."""
-        B, K = self.batch, self.K
-        x = self._hidden(self.tokens.reshape(B * K), B, K, self.caches, self.pos)
-        return self._sample(x, B, K, self.state)
+    def _step(self, n: int, W: int):
+        """One decoding step of rows 0..n-1 at width W from the state buffers (backend work only: capturable)."""
+        x = self._hidden(self.tokens[:n * W], n, W, [(k[:n], v[:n]) for k, v in self.caches], self.pos[:n])
+        return self._sample(x, n, W, self._state(0, n, W))
 
     def _prefill(self, b: int, ids: list[int], generated: int) -> None:
         """Fill row b's cache with `ids` from position 0 in one pass and draw its next token (and
-        proposals); `generated` tokens of the row came before (its RNG counter goes on from there)."""
+        proposals, at the current width); `generated` tokens of the row came before (its RNG counter
+        goes on from there)."""
         be, rows, T = self.be, slice(b, b + 1), len(ids)
-        state = tuple(a[rows] for a in self.state)
-        tokens, drafts, seeds, counters, pos = state
+        state = self._state(b, 1, self.width)
+        counters, pos = state[3:5]
         be.copy_(pos, np.zeros(1, dtype=np.int64))
         x = self._hidden(be.asarray(np.asarray(ids, dtype=np.int64)), 1, T, [(k[rows], v[rows]) for k, v in self.caches],
                          pos)
         be.copy_(pos, np.array([T - 1], dtype=np.int64))
         be.copy_(counters, np.array([generated - 1], dtype=np.int64))
         self._sample(x[T - 1:T], 1, 1, state)
+        self._pending[b, :self.width] = np.array(be.to_host(state[0]))[0]
 
-    def _advance(self) -> np.ndarray:
-        """Run one step (capturing it the first time); the accepted counts (B,) on the host."""
-        if self._replay is None:
-            replay, accepted = self.be.capture(self._step) if self.capture else (self._step, self._step())
-            self._replay = replay
+    def _advance(self, n: int, W: int) -> tuple[np.ndarray, np.ndarray]:
+        """Run one step of rows 0..n-1 at width W (capturing it the first time); the accepted counts
+        (n,) and the next tokens (n, W) on the host."""
+        replay = self._replays.get((n, W))
+        if replay is None:
+            step = functools.partial(self._step, n, W)
+            replay, accepted = self.be.capture(step) if self.capture else (step, step())
+            self._replays[(n, W)] = replay
         else:
-            accepted = self._replay()
-        return np.array(self.be.to_host(accepted))
+            accepted = replay()
+        return np.array(self.be.to_host(accepted)), np.array(self.be.to_host(self.tokens[:n * W])).reshape(n, W)
+
+    def _set_width(self, W: int) -> None:
+        """Lay the rows' tokens out at width W on the device, from the host's copy (proposals never drawn
+        at that width are stale ones)."""
+        if W != self.width:
+            self.be.copy_(self.tokens[:self.batch * W], np.ascontiguousarray(self._pending[:, :W]).reshape(-1))
+            self.width = W
+
+    # ----------------------------------------------------------------------------------------
+    # the policy
+
+    def fixed_width(self) -> int:
+        """The width of every step while a sampled row is active (and of unmeasured steps): K where
+        the backend says a step over K tokens costs about one over 1 token, else 1 (or K where
+        speculation was forced on, 1 where forced off)."""
+        return self.K if not self.policy or self.be.multi_token_step_cheap else 1
+
+    def expected_tokens(self) -> np.ndarray:
+        """Expected tokens a row gains per step of width 1..K from the acceptance seen so far:
+        1 + sum over i <= W - 1 of the chance that proposals 1..i are all kept."""
+        rates = (self.kept + 1) / (self.offered + 1)   # optimistic start: 1 in 1
+        return 1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(rates))))
+
+    def choose_width(self, n: int) -> int:
+        """The width of the next step over rows 0..n-1 (see the policy in the module docstring)."""
+        seconds = [self.step_seconds.get((n, W)) for W in range(1, self.K + 1)]
+        if not self.policy or not self.greedy[[row.b for row in self.active_rows()]].all() or None in seconds:
+            return self.fixed_width()
+        return 1 + int(np.argmax(self.expected_tokens() / np.array(seconds)))
+
+    def measure(self, repeats: int = 3) -> None:
+        """Time a step of every width over every row count `step` may use (capturing it first), with the
+        rows at half the context, into `step_seconds`. Every row must be free (it decodes dummy rows)."""
+        if self.free_rows() != list(range(self.batch)):
+            raise ValueError("a decoder measures its steps with every row free: retire the rows first")
+        be, B = self.be, self.batch
+        be.copy_(self.temperature, np.zeros(B))
+        for n in self._row_counts():
+            for W in range(1, self.K + 1):
+                self._set_width(W)
+                be.copy_(self.pos, np.full(B, self.cfg.ctx_len // 2))
+                self._advance(n, W)
+                be.synchronize()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    self._advance(n, W)
+                self.step_seconds[(n, W)] = (time.perf_counter() - start) / repeats
+        be.copy_(self.pos, np.full(B, self.S))   # free rows again: outside the cache
+
+    def _row_counts(self) -> list[int]:
+        """The row counts a step may compute: 1, 2, 4, ..., batch."""
+        counts = [1]
+        while counts[-1] < self.batch:
+            counts.append(min(self.batch, 2 * counts[-1]))
+        return counts
+
+    # ----------------------------------------------------------------------------------------
+    # rows: admitted, stepped, retired
+
+    def admit(self, b: int, prompt: list[int], seed: int, sampling: Sampling, max_new_tokens: int,
+              eos_id: int | None = None, on_token=None) -> "Row":
+        """Start the free row b on `prompt` (token ids, 1 <= length <= ctx_len) with its own seed and
+        sampling, up to max_new_tokens new tokens or the first eos_id (not included): its cache is
+        prefilled and its first token kept. on_token(b, token) sees each token as it is kept, here
+        and in later steps. Returns the row's progress (Row)."""
+        if self.rows[b] is not None:
+            raise ValueError(f"row {b} is in use: retire it first")
+        if not 1 <= len(prompt) <= self.cfg.ctx_len:
+            raise ValueError(f"a prompt must have 1 to {self.cfg.ctx_len} tokens, got {len(prompt)}")
+        row = self.rows[b] = Row(b, list(prompt), max_new_tokens, eos_id, on_token)
+        if row.active:
+            temperature, top_k, top_p = sampling.settings()
+            for buffer, value in ((self.seeds, seed % MAX_SEED), (self.temperature, temperature),
+                                  (self.top_k, top_k), (self.top_p, top_p)):
+                self.be.copy_(buffer[b:b + 1], np.array([value]))
+            self.greedy[b] = temperature == 0
+            if not self.greedy[b]:   # its proposals must be drawn at the width its steps will have
+                self._set_width(self.fixed_width())
+            self._prefill(b, row.sequence, 0)
+            row.keep(self._pending[b, :1])
+        return row
+
+    def step(self) -> None:
+        """One decoding step of the active rows: a row whose cache is full first slides its window
+        by half a context, then each keeps its next token (speculative: and the proposals accepted
+        before it). Does nothing when no row is active."""
+        ctx = self.cfg.ctx_len
+        for row in self.active_rows():
+            if row.position == ctx:  # the cache is full: slide the window by half a context
+                window = row.sequence[-max(1, ctx // 2):]
+                self._prefill(row.b, window, len(row.new))
+                row.position = len(window)
+                row.keep(self._pending[row.b, :1])
+        active = self.active_rows()
+        if not active:
+            return
+        n = min(self.batch, 1 << active[-1].b.bit_length())   # rows 0..n-1: a power of two covering the active ones
+        W = self.choose_width(n)
+        fresh = min(W, self.width) - 1   # proposals the rows drew at this width or wider (the rest are stale)
+        self._set_width(W)
+        kept, tokens = self._advance(n, W)
+        self.steps += 1
+        self.speculative_steps += W > 1
+        for row in active:
+            m = int(kept[row.b])
+            self.row_steps += 1
+            self.proposed += W - 1
+            self.accepted += m - 1
+            self.offered[:min(m, fresh)] += 1   # proposal j was judged where the j - 1 before it were kept
+            self.kept[:min(m - 1, fresh)] += 1
+            row.position += m
+            row.keep(np.concatenate((self._pending[row.b, 1:m], tokens[row.b, :1])))
+        self._pending[:n, :W] = tokens
+
+    def retire(self, b: int) -> "Row":
+        """Free row b, done or not (its tokens so far stay in the returned Row)."""
+        row, self.rows[b] = self.rows[b], None
+        if row is None:
+            raise ValueError(f"row {b} is free already")
+        row.active = False
+        self.be.copy_(self.pos[b:b + 1], np.array([self.S]))   # its later tokens fall outside the cache: no attention
+        return row
+
+    def warm_up(self) -> None:
+        """Compile and capture the step over every row count `step` may use (1, 2, 4, ..., batch), at
+        every width the policy may choose (timing them), so that no later step pays for it (a server
+        does this before its first request)."""
+        for n in self._row_counts():
+            self.admit(n - 1, [0], 0, Sampling(0.0), 2)
+            self.step()
+            self.retire(n - 1)
+        if self.policy:
+            self.measure()
+
+    def active_rows(self) -> list["Row"]:
+        """The rows still decoding, in row order."""
+        return [row for row in self.rows if row is not None and row.active]
+
+    def free_rows(self) -> list[int]:
+        """The rows that `admit` may start, lowest first."""
+        return [b for b, row in enumerate(self.rows) if row is None]
 
     # ----------------------------------------------------------------------------------------
     # generation
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int], eos_id: int | None = None,
-                 on_token=None, stats: DecodeStats | None = None) -> list[list[int]]:
+                 on_token=None, stats: DecodeStats | None = None, sampling: Sampling | None = None) -> list[list[int]]:
         """New tokens for each prompt (token ids, 1 <= length <= ctx_len), up to max_new_tokens per
-        row or the first eos_id (not included). on_token(row, token) sees each token as it is kept."""
+        row or the first eos_id (not included), row i with seeds[i] and `sampling` (default: the
+        decoder's). on_token(row, token) sees each token as it is kept. A greedy call of the policy
+        first measures the steps (`measure`) if they were not yet."""
         if len(prompts) != self.batch or len(seeds) != self.batch:
             raise ValueError(f"this decoder takes {self.batch} prompts and seeds, got {len(prompts)} and {len(seeds)}")
+        if self.free_rows() != list(range(self.batch)):
+            raise ValueError("this decoder's rows are in use (admitted, not retired)")
         start = time.perf_counter()
-        rows = [_Row(b, list(prompt), max_new_tokens, eos_id, on_token) for b, prompt in enumerate(prompts)]
+        counted = ("steps", "speculative_steps", "row_steps", "proposed", "accepted")
+        before = [getattr(self, name) for name in counted]
+        sampling = sampling or self.sampling
+        rows = []
         with self.be.serial():
-            steps, row_steps, accepted = self._decode(rows, seeds)
+            if self._own_copy is not None:   # the model may have learnt since
+                self.be.copy_(self._own_copy, self.model.flat)
+            if self.policy and sampling.temperature == 0 and (self.batch, 1) not in self.step_seconds:
+                self.measure()
+            try:
+                for b, (prompt, seed) in enumerate(zip(prompts, seeds)):
+                    rows.append(self.admit(b, prompt, seed, sampling, max_new_tokens, eos_id, on_token))
+                while any(row.active for row in rows):
+                    self.step()
+            finally:   # whatever happened (an error, Ctrl-C), the rows are free for the next call
+                for row in rows:
+                    self.retire(row.b)
         if stats is not None:
+            for name, then in zip(counted, before):
+                setattr(stats, name, getattr(stats, name) + getattr(self, name) - then)
             stats.tokens += sum(len(row.new) for row in rows)
-            stats.steps += steps
-            stats.row_steps += row_steps
-            stats.proposed += row_steps * (self.K - 1)
-            stats.accepted += accepted
             stats.seconds += time.perf_counter() - start
-            stats.speculative = self.speculative
             stats.rows = max(stats.rows, self.batch)
+            stats.weights = self.weights
         return [row.new for row in rows]
 
-    def _decode(self, rows: list["_Row"], seeds: list[int]) -> tuple[int, int, int]:
-        """Prefill, then step until every row is done; returns (steps, steps summed over the rows
-        decoding, proposals kept)."""
-        ctx, be = self.cfg.ctx_len, self.be
-        be.copy_(self.seeds, np.array([seed % MAX_SEED for seed in seeds], dtype=np.int64))
-        for row in rows:
-            if row.active:
-                self._prefill(row.b, row.sequence, 0)
-        pending = np.array(be.to_host(self.tokens))  # per row: the next token (already kept), then proposals
-        for row in rows:
-            row.keep(pending[row.b, :1])
-        steps = row_steps = accepted = 0
-        while True:
-            for row in rows:
-                if row.active and row.position == ctx:  # the cache is full: slide the window by half a context
-                    window = row.sequence[-max(1, ctx // 2):]
-                    self._prefill(row.b, window, len(row.new))
-                    row.position = len(window)
-                    pending[row.b] = np.array(be.to_host(self.tokens[row.b:row.b + 1]))[0]
-                    row.keep(pending[row.b, :1])
-            if not any(row.active for row in rows):
-                return steps, row_steps, accepted
-            kept = self._advance()
-            tokens = np.array(be.to_host(self.tokens))
-            steps += 1
-            for row in rows:
-                if row.active:
-                    m = int(kept[row.b])
-                    row_steps += 1
-                    accepted += m - 1
-                    row.position += m
-                    row.keep(np.concatenate((pending[row.b, 1:m], tokens[row.b, :1])))
-            pending = tokens
 
-
-class _Row:
-    """One row's progress on the host: its tokens so far, the new ones, and whether it goes on."""
+class Row:
+    """One row's progress on the host: its tokens so far (prompt included), the new ones, where the
+    next fed token goes in the cache, and whether it goes on (`finish_reason` says why not)."""
 
     def __init__(self, b: int, prompt: list[int], max_new_tokens: int, eos_id, on_token):
         self.b, self.sequence, self.new = b, prompt, []
         self.position = len(prompt)   # where the next fed token goes in the cache
         self.active = max_new_tokens > 0
         self.max_new_tokens, self.eos_id, self.on_token = max_new_tokens, eos_id, on_token
+        self.ended_at_eos = False
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" (it reached eos_id), "length" (max_new_tokens), or None (still decoding, or retired before either)."""
+        if self.ended_at_eos:
+            return "stop"
+        return "length" if len(self.new) >= self.max_new_tokens else None
 
     def keep(self, tokens) -> None:
         """Append the tokens decoded for this row, up to `</s>` or the token budget."""
         for token in tokens.tolist():
-            if not self.active or token == self.eos_id:
-                self.active = False
+            if not self.active:
+                return
+            if token == self.eos_id:
+                self.active, self.ended_at_eos = False, True
                 return
             self.new.append(token)
             self.sequence.append(token)
@@ -300,18 +525,42 @@ class _Row:
                 return
 
 
+def weights_on(backend: str) -> str:
+    """The default storage of the weights decoding reads: "bf16" where the backend runs bf16 and its
+    decoding ops that read matrices declare bf16 there, else "fp32"."""
+    runs = registry.BF16 in registry.backend(backend).precisions and \
+        all("bf16" in registry.op(name).precisions_on(backend) for name in WEIGHT_OPS)
+    return "bf16" if runs else "fp32"
+
+
+def check_weights(backend: str, weights: str | None) -> str:
+    """`weights` ("bf16", "fp32", or None for the backend's default) if decoding on `backend` can read
+    them; else ValueError, one line."""
+    weights = weights_on(backend) if weights is None else weights
+    if weights not in ("bf16", "fp32"):
+        raise ValueError(f"weights must be 'bf16' or 'fp32', got {weights!r}")
+    if weights == "bf16" and weights_on(backend) != "bf16":
+        raise ValueError(f"bf16 decoding weights need a backend whose decoding ops run bf16, and the "
+                         f"{backend} backend's do not here: use fp32 weights")
+    return weights
+
+
 _DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def decoder_for(model, batch_size: int, speculative: bool, sampling: Sampling) -> Decoder:
-    """The model's decoder for this batch size, mode and sampling, made on first use and kept
-    (with its KV cache and captured step) for later calls; the least recently used go first."""
+def decoder_for(model, batch_size: int, speculative: bool | None, sampling: Sampling,
+                weights: str | None = None) -> Decoder:
+    """The model's decoder for this batch size, mode (None: the policy) and weights, sampling as
+    `sampling` (its rows' settings are buffers, so one decoder serves any), made on first use and
+    kept (with its KV cache, captured steps, step timings and acceptance) for later calls; the least
+    recently used go first."""
     decoders = _DECODERS.setdefault(model, {})
-    key = (batch_size, speculative, sampling)
+    key = (batch_size, speculative, weights)
     decoder = decoders.pop(key, None)
     if decoder is None:
         while len(decoders) >= DECODERS_PER_MODEL:
             decoders.pop(next(iter(decoders)))
-        decoder = Decoder(model, batch_size, speculative, sampling)
+        decoder = Decoder(model, batch_size, speculative, sampling, weights=weights)
+    decoder.sampling = sampling
     decoders[key] = decoder
     return decoder

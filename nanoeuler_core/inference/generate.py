@@ -8,9 +8,11 @@ Row i of a batch generates exactly what generate(prompts[i], seed=seed + i) does
 own random stream, and a row's computation does not depend on the batch), so `--num-samples N`
 of one prompt gives N different samples, each reproducible alone.
 
-`speculative`: None picks the faster mode for the backend (its `multi_token_step_cheap` trait).
-Speculative decoding gives the same greedy output as plain decoding, and samples from the same
-distribution.
+`speculative`: None runs the decoder's policy (decode.py: greedy steps speculate where that is
+measured to be faster; sampled rows run the mode the backend's traits give); True or False forces
+speculative or plain decoding. Speculative decoding gives the same greedy output as plain decoding,
+and samples from the same distribution. `weights`: "bf16" or "fp32" (default: bf16 where the
+backend runs it; decode.py says how its greedy tokens compare).
 
 Prompts: up to ctx_len tokens (an empty prompt starts from `</s>`); a longer one is an error.
 Generation may run past the context: the cache then slides by half a context (decode.py).
@@ -27,25 +29,25 @@ from nanoeuler_core.inference.decode import MAX_SEED, DecodeStats, Sampling, dec
 
 def generate(model, tok, prompt: str, max_new_tokens: int = 50, temperature: float = 0.8, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, on_text=None, stop_at_eos: bool = True,
-             speculative: bool | None = None, stats: DecodeStats | None = None) -> str:
+             speculative: bool | None = None, stats: DecodeStats | None = None, weights: str | None = None) -> str:
     """Continue `prompt`; returns the new text (without the prompt), stopping at `</s>` unless
     stop_at_eos is False. `on_text(piece)` receives the text as it is produced (whole UTF-8
     characters). `stats`, if given, is filled with what the decoding did (DecodeStats)."""
     return _generate(model, tok, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
-                     speculative, stats, on_text)[0]
+                     speculative, stats, on_text, weights)[0]
 
 
 def generate_batch(model, tok, prompts: list[str], max_new_tokens: int = 50, temperature: float = 0.8,
                    top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                    stop_at_eos: bool = True, speculative: bool | None = None,
-                   stats: DecodeStats | None = None) -> list[str]:
+                   stats: DecodeStats | None = None, weights: str | None = None) -> list[str]:
     """Continue every prompt at once; row i equals generate(prompts[i], seed=seed + i)."""
     return _generate(model, tok, list(prompts), max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
-                     speculative, stats, None)
+                     speculative, stats, None, weights)
 
 
 def _generate(model, tok, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, speculative,
-              stats, on_text) -> list[str]:
+              stats, on_text, weights) -> list[str]:
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if tok.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} entries but the model's vocab_size is "
@@ -54,11 +56,7 @@ def _generate(model, tok, prompts, max_new_tokens, temperature, top_k, top_p, se
         raise ValueError("no prompts: pass at least one")
     ids = [prompt_ids(tok, prompt, model.cfg.ctx_len, f"prompt {i}" if len(prompts) > 1 else "the prompt")
            for i, prompt in enumerate(prompts)]
-    if speculative is None:
-        # where a step over K tokens costs about what a step over one does, any accepted proposal
-        # is a gain; on the CPU the arithmetic grows with K (bench/RESULTS.md)
-        speculative = model.backend.multi_token_step_cheap and model.cfg.n_mtp > 1
-    decoder = decoder_for(model, len(prompts), speculative, Sampling(temperature, top_k, top_p))
+    decoder = decoder_for(model, len(prompts), speculative, Sampling(temperature, top_k, top_p), weights)
     base = int(np.random.SeedSequence().entropy % MAX_SEED) if seed is None else seed
     texts = [TextStream(tok, on_text) for _ in prompts]
     decoder.generate(ids, max_new_tokens, [base + i for i in range(len(prompts))],

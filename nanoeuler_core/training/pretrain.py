@@ -64,6 +64,8 @@ class TrainConfig:
     precision: str | None = None        # fp32, tf32 or bf16 (SPEC.md section 7); default: the backend's
                                         # (bf16 on a CUDA GPU with tensor cores, fp32 on the CPU)
     eager: bool = False                 # launch every kernel from Python instead of replaying a captured step
+    recompute: bool = False             # activation recomputation: the backward runs each block's forward again
+                                        # from its input (Model.recompute): less memory, the same gradients
     grad_accum: int = 1                 # micro-batches of batch_size rows per optimizer step (on each rank)
     zero: int = 0                       # 1: AdamW moments sharded over the data-parallel ranks (ZeRO-1)
     eval_hellaswag_every: int = 0       # HellaSwag acc/acc_norm every N steps into metrics.jsonl (0: never)
@@ -188,7 +190,8 @@ def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print
         cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size)
         data = _data(run_dir, tc, tok, cfg.ctx_len)  # from rank 0's cache
     train, val, unigram = data
-    model = Model(cfg, backend=tc.backend, seed=tc.seed, precision=tc.precision)  # the same seed: the same weights on every rank
+    # the same seed: the same weights on every rank
+    model = Model(cfg, backend=tc.backend, seed=tc.seed, precision=tc.precision, recompute=tc.recompute)
     optimizer = make_optimizer(model, tc)
     if job.rank == 0:
         model.save(run_dir, training=asdict(tc))
@@ -219,6 +222,7 @@ def resume_run(run_dir: Path, overrides: dict, log: Callable[[str], None] = prin
         checkpoint.recover(run_dir, checkpoint.CHECKPOINT_FILES)
     job.barrier()
     model, tok = load_model(run_dir, tc.backend, tc.precision)
+    model.recompute = tc.recompute
     optimizer = make_optimizer(model, tc)
     if (run_dir / "optimizer.safetensors").exists():
         tensors, meta = checkpoint.load_tensors(run_dir / "optimizer.safetensors")

@@ -192,6 +192,7 @@ def new_run_from(base_dir: Path, out_dir: Path, tc: TrainConfig, stage: dict, lo
             raise ValueError("--out must differ from --base: fine-tuning writes a new run directory")
     job.barrier()
     model, tok = load_model(base_dir, tc.backend, tc.precision)
+    model.recompute = tc.recompute
     log(f"base {base_dir}: {model.cfg.n_params():,} parameters, context {model.cfg.ctx_len} tokens")
     optimizer = make_optimizer(model, tc)
     if job.rank == 0:

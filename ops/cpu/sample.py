@@ -66,13 +66,15 @@ def _draw(weights, u):
 
 
 @njit(cache=True)
-def _sample(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, max_pos, accepted, p, residual):
-    # logits (B, T, K, V), tokens (B, K), drafts (B, K-1, V), seeds, counters, pos (B,) -> accepted (B,);
-    # tokens, drafts, counters, pos updated; p, residual (V,) scratch
+def _sample(logits, tokens, drafts, seeds, counters, pos, temperatures, top_ks, top_ps, max_pos, accepted, p, residual):
+    # logits (B, T, K, V), tokens (B, K), drafts (B, K-1, V), seeds, counters, pos (B,), each row's
+    # temperature, top_k, top_p (B,) -> accepted (B,); tokens, drafts, counters, pos updated;
+    # p, residual (V,) scratch
     B, T, K, V = logits.shape
-    greedy = temperature == 0
     for b in range(B):
         seed, n = seeds[b], counters[b]
+        temperature, top_k, top_p = np.float32(temperatures[b]), np.int64(top_ks[b]), np.float64(top_ps[b])
+        greedy = temperature == 0
         m = 1
         following = -1
         for i in range(1, max(1, min(T, max_pos - pos[b]))):
@@ -112,11 +114,10 @@ def _sample(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, to
         accepted[b] = m
 
 
-def forward(logits, tokens, drafts, seeds, counters, pos, *, temperature, top_k, top_p, max_pos):
+def forward(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, *, max_pos):
     check_args(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p)
     V = logits.shape[3]
     accepted = np.empty(logits.shape[0], dtype=np.int64)
-    f32 = np.float32
-    _sample(logits, tokens, drafts, seeds, counters, pos, f32(temperature), int(top_k), float(top_p), int(max_pos),
-            accepted, np.empty(V, dtype=logits.dtype), np.empty(V, dtype=logits.dtype))
+    _sample(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, int(max_pos), accepted,
+            np.empty(V, dtype=logits.dtype), np.empty(V, dtype=logits.dtype))
     return accepted, ()

@@ -1,10 +1,13 @@
 """Residual linear update for decoding on the GPU. See nanoeuler_ops/linear_residual.py for the
-math and nanoeuler_ops.cuda.decoding.py for the layout of the work (block o computes y[:, o])."""
+math and nanoeuler_ops.cuda.decoding.py for the layout of the work (block o computes y[:, o]). Any
+input may be float32 or bf16 (the decoder's bf16 weights beside float32 activations), read as
+float32 and accumulated in float32; y has r's storage."""
 
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, to_partials
+from nanoeuler_ops.cuda.runtime import stored, to_f32
 from nanoeuler_ops.linear_residual import check_shapes
 
 
@@ -23,22 +26,22 @@ def _forward(x, w, res, y):
         c = tid
         while c + (UNROLL - 1) * THREADS < I:   # UNROLL features per thread, loads first
             for u in range(UNROLL):
-                wc[u] = w[o, c + u * THREADS]
+                wc[u] = to_f32(w[o, c + u * THREADS])
             for r in range(ROWS):
                 if r0 + r < N:
                     for u in range(UNROLL):
-                        dot[r] += x[r0 + r, c + u * THREADS] * wc[u]
+                        dot[r] += to_f32(x[r0 + r, c + u * THREADS]) * wc[u]
             c += UNROLL * THREADS
         while c < I:                             # the remaining features, one at a time, same order
-            wv = w[o, c]
+            wv = to_f32(w[o, c])
             for r in range(ROWS):
                 if r0 + r < N:
-                    dot[r] += x[r0 + r, c] * wv
+                    dot[r] += to_f32(x[r0 + r, c]) * wv
             c += THREADS
         to_partials(dot, partial, 0)
         cuda.syncthreads()
         if tid < ROWS and r0 + tid < N:
-            y[r0 + tid, o] = res[r0 + tid, o] + block_total(partial, 0, tid)
+            y[r0 + tid, o] = stored(y, to_f32(res[r0 + tid, o]) + block_total(partial, 0, tid))
         cuda.syncthreads()
 
 

@@ -2,7 +2,9 @@
 nanoeuler_ops.cuda.decoding.py for the layout of the work.
 
 Block o computes y[:, o]: each thread walks its features once per group of rows, accumulating
-both the dot products with w[o] * g and the sums of squares; rstd is applied at the end.
+both the dot products with w[o] * g and the sums of squares; rstd is applied at the end. Any input
+may be float32 or bf16 (the decoder's bf16 weights beside float32 activations), read as float32
+and accumulated in float32; y has x's storage.
 """
 
 import math
@@ -11,6 +13,7 @@ from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, to_partials
+from nanoeuler_ops.cuda.runtime import stored, to_f32
 from nanoeuler_ops.norm_linear import check_shapes
 
 
@@ -31,19 +34,19 @@ def _forward(x, g, w, eps, y):
         c = tid
         while c + (UNROLL - 1) * THREADS < C:   # UNROLL features per thread, loads first
             for u in range(UNROLL):
-                wg[u] = w[o, c + u * THREADS] * g[c + u * THREADS]
+                wg[u] = to_f32(w[o, c + u * THREADS]) * to_f32(g[c + u * THREADS])
             for r in range(ROWS):
                 if r0 + r < N:
                     for u in range(UNROLL):
-                        xv = x[r0 + r, c + u * THREADS]
+                        xv = to_f32(x[r0 + r, c + u * THREADS])
                         dot[r] += xv * wg[u]
                         squares[r] += xv * xv
             c += UNROLL * THREADS
         while c < C:                             # the remaining features, one at a time, same order
-            wv = w[o, c] * g[c]
+            wv = to_f32(w[o, c]) * to_f32(g[c])
             for r in range(ROWS):
                 if r0 + r < N:
-                    xv = x[r0 + r, c]
+                    xv = to_f32(x[r0 + r, c])
                     dot[r] += xv * wv
                     squares[r] += xv * xv
             c += THREADS
@@ -52,7 +55,7 @@ def _forward(x, g, w, eps, y):
         cuda.syncthreads()
         if tid < ROWS and r0 + tid < N:
             rstd = float32(1.0) / math.sqrt(block_total(partial, 1, tid) / float32(C) + eps)
-            y[r0 + tid, o] = block_total(partial, 0, tid) * rstd
+            y[r0 + tid, o] = stored(y, block_total(partial, 0, tid) * rstd)
         cuda.syncthreads()
 
 

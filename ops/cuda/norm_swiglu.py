@@ -1,7 +1,9 @@
 """RMSNorm + gate/up projections + SwiGLU for decoding on the GPU. See nanoeuler_ops/norm_swiglu.py
 for the math and nanoeuler_ops.cuda.decoding.py for the layout of the work.
 
-Block f computes y[:, f] from the gate row w[f] and the up row w[F + f], read side by side.
+Block f computes y[:, f] from the gate row w[f] and the up row w[F + f], read side by side. Any
+input may be float32 or bf16 (the decoder's bf16 weights beside float32 activations), read as
+float32 and accumulated in float32; y has x's storage.
 """
 
 import math
@@ -10,6 +12,7 @@ from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, to_partials
+from nanoeuler_ops.cuda.runtime import stored, to_f32
 from nanoeuler_ops.norm_swiglu import check_shapes
 
 
@@ -35,22 +38,24 @@ def _forward(x, g, w, eps, y):
         while c + (UNROLL - 1) * THREADS < C:   # UNROLL features per thread, loads first
             for u in range(UNROLL):
                 cu = c + u * THREADS
-                wg[u] = w[f, cu] * g[cu]
-                wu[u] = w[F + f, cu] * g[cu]
+                gc = to_f32(g[cu])
+                wg[u] = to_f32(w[f, cu]) * gc
+                wu[u] = to_f32(w[F + f, cu]) * gc
             for r in range(ROWS):
                 if r0 + r < N:
                     for u in range(UNROLL):
-                        xv = x[r0 + r, c + u * THREADS]
+                        xv = to_f32(x[r0 + r, c + u * THREADS])
                         gate[r] += xv * wg[u]
                         up[r] += xv * wu[u]
                         squares[r] += xv * xv
             c += UNROLL * THREADS
         while c < C:                             # the remaining features, one at a time, same order
-            wgv = w[f, c] * g[c]
-            wuv = w[F + f, c] * g[c]
+            gc = to_f32(g[c])
+            wgv = to_f32(w[f, c]) * gc
+            wuv = to_f32(w[F + f, c]) * gc
             for r in range(ROWS):
                 if r0 + r < N:
-                    xv = x[r0 + r, c]
+                    xv = to_f32(x[r0 + r, c])
                     gate[r] += xv * wgv
                     up[r] += xv * wuv
                     squares[r] += xv * xv
@@ -63,7 +68,7 @@ def _forward(x, g, w, eps, y):
             rstd = float32(1.0) / math.sqrt(block_total(partial, 2, tid) / float32(C) + eps)
             z = block_total(partial, 0, tid) * rstd
             sigmoid = float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # no overflow for large -z
-            y[r0 + tid, f] = z * sigmoid * (block_total(partial, 1, tid) * rstd)
+            y[r0 + tid, f] = stored(y, z * sigmoid * (block_total(partial, 1, tid) * rstd))
         cuda.syncthreads()
 
 

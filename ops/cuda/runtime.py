@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import numba
 import numpy as np
-from numba import cuda, float32, float64, types, uint16, uint32
+from numba import cuda, float32, float64, types, uint16, uint32, uint64
 from numba.cuda.cudadrv import driver
 
 from nanoeuler_core.registry import bf16_bits, bf16_values  # noqa: F401  (the backend converts with them)
@@ -328,6 +328,61 @@ else:
         if like.dtype == types.uint16:
             return lambda like, v: _f32_to_bf16(float32(v))
         return lambda like, v: float32(v)
+
+
+# ---------------------------------------------------------------- element pairs
+# A kernel may read and write two neighbouring elements in one access: `pairs(arr)` views a float32
+# or bf16 array as words of two elements each (uint32: two bf16 patterns; uint64: two float32), the
+# first element in the low half. `pair_values(a[i])` reads word i as two float32 and
+# `a[i] = stored_pair(a, lo, hi)` rounds two float32 to a's storage (bf16: one cvt for both).
+
+
+def pairs(arr):
+    """A contiguous float32 or bf16 array of even size as one flat run of words, each two
+    neighbouring elements (uint32 for bf16 storage, uint64 for float32)."""
+    return arr.reshape(arr.size).view(np.uint32 if arr.dtype == BF16 else np.uint64)
+
+
+if SIMULATOR:
+    def pair_values(word):
+        """A word of `pairs` -> its (first, second) element as float32."""
+        if word.dtype == np.uint32:
+            return bf16x2_values(word)
+        first, second = np.array([word], np.uint64).view(np.float32)
+        return first, second
+
+    def stored_pair(like, lo, hi):
+        """Two float32 -> the word of `pairs` array `like` holding them in its storage."""
+        if like.dtype == np.uint32:
+            return pack_bf16x2(lo, hi)
+        return np.array([lo, hi], np.float32).view(np.uint64)[0]
+else:
+    @intrinsic
+    def _bits_from_float(typingctx, value):
+        # float32 -> uint32 with the same bits
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+        return types.uint32(types.float32), codegen
+
+    def pair_values(word):
+        """A word of `pairs` -> its (first, second) element as float32."""
+
+    def stored_pair(like, lo, hi):
+        """Two float32 -> the word of `pairs` array `like` holding them in its storage."""
+
+    @overload(pair_values, inline="always")
+    def _pair_values(word):
+        if word == types.uint32:
+            return lambda word: bf16x2_values(word)
+        return lambda word: (_float_from_bits(uint32(word & uint64(0xFFFFFFFF))),
+                             _float_from_bits(uint32(word >> uint64(32))))
+
+    @overload(stored_pair, inline="always")
+    def _stored_pair(like, lo, hi):
+        if like.dtype == types.uint32:
+            return lambda like, lo, hi: pack_bf16x2(float32(lo), float32(hi))
+        return lambda like, lo, hi: (uint64(_bits_from_float(float32(lo)))
+                                     | (uint64(_bits_from_float(float32(hi))) << uint64(32)))
 
 
 def compute_capability() -> tuple[int, int]:

@@ -168,11 +168,11 @@ def _draw(p, q, residual, u, chunk_sums, chosen, scratch):
 
 
 @cuda.jit(cache=True)
-def _sample(logits, logit_bits, tokens, drafts, draft_bits, seeds, counters, pos, temperature, top_k, top_p, max_pos,
-            accepted, probs, prob_bits):
+def _sample(logits, logit_bits, tokens, drafts, draft_bits, seeds, counters, pos, temperatures, top_ks, top_ps,
+            max_pos, accepted, probs, prob_bits):
     # logits (B, T, K, V) (and their bits), tokens (B, K), drafts (B, K-1, V) (and bits), seeds,
-    # counters, pos (B,) -> accepted (B,); tokens, drafts, counters, pos updated; probs (B, V) scratch.
-    # Block b handles row b.
+    # counters, pos (B,), each row's temperature, top_k, top_p (B,) -> accepted (B,); tokens,
+    # drafts, counters, pos updated; probs (B, V) scratch. Block b handles row b.
     B, T, K, V = logits.shape
     b = cuda.blockIdx.x
     values = cuda.shared.array(MAX_THREADS, float32)
@@ -180,6 +180,7 @@ def _sample(logits, logit_bits, tokens, drafts, draft_bits, seeds, counters, pos
     chunk_sums = cuda.shared.array(MAX_THREADS, float64)
     chosen = cuda.shared.array(1, int64)
     scratch = cuda.shared.array(32, float64)
+    temperature, top_k, top_p = float32(temperatures[b]), int64(top_ks[b]), float64(top_ps[b])
     greedy = temperature == 0
     seed, n, start = seeds[b], counters[b], pos[b]
     m = 1
@@ -224,12 +225,11 @@ def _sample(logits, logit_bits, tokens, drafts, draft_bits, seeds, counters, pos
         accepted[b] = m
 
 
-def forward(logits, tokens, drafts, seeds, counters, pos, *, temperature, top_k, top_p, max_pos):
+def forward(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, *, max_pos):
     check_args(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p)
     B, T, K, V = logits.shape
     accepted = runtime.empty((B,), np.int64)
     probs = runtime.empty((B, V), logits.dtype)
     runtime.launch(_sample, B, THREADS, logits, logits.view(np.int32), tokens, drafts, drafts.view(np.int32), seeds,
-                   counters, pos, float32(temperature), int64(top_k), float64(top_p), int64(max_pos), accepted, probs,
-                   probs.view(np.int32))
+                   counters, pos, temperature, top_k, top_p, int64(max_pos), accepted, probs, probs.view(np.int32))
     return accepted, ()

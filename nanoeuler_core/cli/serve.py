@@ -1,0 +1,73 @@
+"""The serving command: `serve`, the OpenAI-compatible HTTP API and the chat page (nanoeuler_core/serving)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from nanoeuler_core.cli.finetune import CHAT_TEMPLATE_HELP
+from nanoeuler_core.cli.train import SPECULATIVE_HELP
+from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.inference.template import ChatTemplate
+
+
+MODES = {None: "adaptive (speculative where measured faster)", True: "speculative", False: "plain"}
+
+
+def serve(
+    run_dir: Path = typer.Argument(..., help="a run directory (from pretrain, sft, dpo or import)"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface of this machine)"),
+    port: int = typer.Option(8000, help="port to listen on (0: any free one)"),
+    backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
+    max_batch: Optional[int] = typer.Option(None, help="rows decoded at once, shared by all requests (default: 32 "
+                                                       "where a wide decoding step is cheap, a GPU; else 8)"),
+    max_queue: int = typer.Option(64, help="requests that may wait for a row; more are refused (HTTP 429)"),
+    template: Optional[str] = typer.Option(None, help=CHAT_TEMPLATE_HELP),
+    speculative: Optional[bool] = typer.Option(None, "--speculative/--no-speculative", help=SPECULATIVE_HELP),
+) -> None:
+    """Serve the model in RUN_DIR: an OpenAI-compatible API (POST /v1/completions and
+    /v1/chat/completions, streamed or not; GET /v1/models, /health) and a chat page at /. Concurrent
+    requests share one batched decoder (continuous batching). Ctrl-C stops it."""
+    import uvicorn
+
+    from nanoeuler_core.serving.app import ServedModel, create_app
+
+    if max_batch is not None and max_batch < 1 or max_queue < 0:
+        raise ValueError(f"--max-batch must be at least 1 and --max-queue at least 0, got {max_batch} and {max_queue}")
+    model, tok = load_model(run_dir, backend)
+    chat_template = ChatTemplate.for_run(run_dir, template)
+    if max_batch is None:  # many rows per step pay where a step over many tokens costs about one over a few
+        max_batch = 32 if model.backend.multi_token_step_cheap else 8
+    name = Path(run_dir).resolve().name
+    created = int((Path(run_dir) / "config.json").stat().st_mtime)
+    app = create_app(ServedModel(model, tok, name, chat_template, created), max_batch, max_queue, speculative)
+    sock = listen(host, port)
+    address = sock.getsockname()
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{address[1]}"
+    chat = f"chat in {chat_template.name}" if chat_template else "no chat template (completions only)"
+    typer.echo(f"serving {run_dir} as model {name!r} on {url} (chat page at {url}/, API at {url}/v1): "
+               f"{max_batch} rows, {MODES[speculative]} decoding on {backend}, {chat}",
+               err=True)
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, or one line saying why not (a port in use, an unknown address)."""
+    try:
+        family, kind, proto, _, _ = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)   # proto TCP: asyncio then sets TCP_NODELAY on each connection
+                                                    # (else a streamed chunk can wait 40 ms for an ACK)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # not past a listening socket: a restart only
+        sock.bind((host, port))
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): pass another --port, or a --host "
+                      f"of this machine") from None
+    return sock
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

@@ -1,0 +1,338 @@
+"""Serving (SPEC.md section 9): the official `openai` client against a server started here on a tiny
+run (completions, chat, streaming, n > 1, stop strings, seeds), greedy output against `nanoeuler-run
+generate --temperature 0` and `chat`, concurrent requests sharing the batch, the bounded queue,
+clients that disconnect, bad requests (a 4xx with a message, and the server keeps serving), and the
+command's own errors. tests/test_serve_browser.py drives the chat page in Chromium."""
+
+import asyncio
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from typer.testing import CliRunner
+
+from finetune_helpers import make_base_run
+from nanoeuler_core.cli import app as cli_app
+from nanoeuler_core.cli.serve import listen
+from nanoeuler_core.inference.chat import chat
+from nanoeuler_core.inference.generate import generate
+from nanoeuler_core.inference.loading import load_model
+from nanoeuler_core.inference.template import ChatTemplate
+from nanoeuler_core.serving.app import ServedModel, create_app
+from nanoeuler_core.text.tokenizer import Tokenizer
+from test_chat import CHATML
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["It was", "Add 2 and 3.", ""]
+
+
+@contextlib.contextmanager
+def serving(run_dir, template="own", max_batch=4, max_queue=16):
+    """A server of the run in a background thread on a free port: yields (base url, the app)."""
+    model, tok = load_model(run_dir)
+    template = ChatTemplate.for_run(run_dir) if template == "own" else template
+    app = create_app(ServedModel(model, tok, run_dir.name, template), max_batch, max_queue)
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def alpaca_run(tmp_path_factory, tok):
+    """A tiny run marked as fine-tuned in the Alpaca template (as `sft` leaves it)."""
+    run = make_base_run(tmp_path_factory.mktemp("serve") / "tiny-sft", tok, seed=3)
+    config = json.loads((run / "config.json").read_text())
+    config["training"]["template"] = "alpaca"
+    (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
+@pytest.fixture(scope="module")
+def server(alpaca_run):
+    with serving(alpaca_run) as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_tok(alpaca_run):
+    return load_model(alpaca_run)
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def active_rows(url):
+    return httpx.get(url + "/health").json()["active"]
+
+
+def wait_until(condition, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------------------------------------
+# the API through the openai client
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny-sft"]
+    assert client.models.retrieve("tiny-sft").id == "tiny-sft"
+    health = httpx.get(server[0] + "/health").json()
+    assert health["status"] == "ok" and health["rows"] == 4
+    page = httpx.get(server[0] + "/")   # the chat page: everything inline, nothing from elsewhere
+    assert page.status_code == 200 and "/v1/chat/completions" in page.text
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert not any(f"{attribute}=" in page.text for attribute in (" src", " href"))
+
+
+def test_greedy_completion_equals_the_generate_command(alpaca_run, client):
+    """SPEC.md section 9: greedy output equals `nanoeuler-run generate --temperature 0`."""
+    for prompt in PROMPTS:
+        result = CliRunner().invoke(cli_app, ["generate", str(alpaca_run), prompt, "--temperature", "0",
+                                              "--max-new-tokens", "24"])
+        assert result.exit_code == 0, result.output
+        completion = client.completions.create(model="tiny-sft", prompt=prompt, max_tokens=24, temperature=0)
+        assert prompt + completion.choices[0].text + "\n" == result.stdout
+        assert completion.usage.completion_tokens <= 24 and completion.usage.prompt_tokens > 0
+
+
+def test_seeded_samples_equal_generate_and_n_choices_are_indexed(client, model_tok):
+    model, tok = model_tok
+    completion = client.completions.create(model="tiny-sft", prompt="It was", max_tokens=12, temperature=0.9,
+                                           top_p=0.9, seed=5, n=3)
+    texts = [c.text for c in completion.choices]
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    assert texts == [generate(model, tok, "It was", max_new_tokens=12, temperature=0.9, top_p=0.9, seed=5 + i)
+                     for i in range(3)]
+    assert len(set(texts)) > 1
+    again = client.completions.create(model="tiny-sft", prompt="It was", max_tokens=12, temperature=0.9, top_p=0.9,
+                                      seed=5, n=3)
+    assert [c.text for c in again.choices] == texts
+    batch = client.completions.create(model="tiny-sft", prompt=PROMPTS[:2], max_tokens=8, temperature=0.7, seed=1,
+                                      n=2, extra_body={"top_k": 20})   # choice i: prompt i // n, seed 1 + i
+    assert [c.text for c in batch.choices] == [generate(model, tok, PROMPTS[i // 2], max_new_tokens=8, temperature=0.7,
+                                                        top_k=20, seed=1 + i) for i in range(4)]
+    assert batch.usage.prompt_tokens == len(tok.encode(PROMPTS[0])) + len(tok.encode(PROMPTS[1]))
+
+
+def test_chat_equals_chat_greedy(client, model_tok):
+    model, tok = model_tok
+    conversations = [[user("Add 2 and 3.")],
+                     [user("Hi"), {"role": "assistant", "content": "Hello."}, user("Reverse the word: night")]]
+    for messages in conversations:
+        reply = client.chat.completions.create(model="tiny-sft", messages=messages, max_tokens=20, temperature=0)
+        expected = chat(model, tok, messages, max_new_tokens=20, temperature=0.0)
+        assert reply.choices[0].message.content == expected
+        assert reply.choices[0].message.role == "assistant"
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    # a conversation longer than the context keeps its latest turns, as `chat` does
+    long = [user("word " * 30), {"role": "assistant", "content": "ok"}, user("Add 2 and 3.")]
+    reply = client.chat.completions.create(model="tiny-sft", messages=long, max_tokens=10, temperature=0)
+    assert reply.choices[0].message.content == chat(model, tok, long, max_new_tokens=10, temperature=0.0)
+
+
+def test_streaming_gives_the_same_text_in_pieces(client):
+    whole = client.completions.create(model="tiny-sft", prompt="It was", max_tokens=30, temperature=0)
+    chunks = list(client.completions.create(model="tiny-sft", prompt="It was", max_tokens=30, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.choices[0].text and len([t for t in texts if t]) > 3
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+    messages = [user("Add 2 and 3.")]
+    whole = client.chat.completions.create(model="tiny-sft", messages=messages, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny-sft", messages=messages, max_tokens=20, temperature=0,
+                                                 n=2, stream=True))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == whole.choices[0].message.content
+        assert mine[-1].finish_reason == whole.choices[0].finish_reason
+
+
+def test_stop_strings_end_the_text_before_them(client):
+    text = client.completions.create(model="tiny-sft", prompt="It was", max_tokens=40, temperature=0).choices[0].text
+    stop = text[10:12]
+    cut = text.index(stop)
+    for stream in (False, True):
+        args = dict(model="tiny-sft", prompt="It was", max_tokens=40, temperature=0, stop=[stop, "never seen §"])
+        if stream:
+            chunks = list(client.completions.create(**args, stream=True))
+            got, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.completions.create(**args).choices[0]
+            got, reason = choice.text, choice.finish_reason
+        assert (got, reason) == (text[:cut], "stop")
+    assert client.completions.create(model="tiny-sft", prompt="It was", max_tokens=5, temperature=0,
+                                     stop="never seen §").choices[0].finish_reason == "length"
+
+
+def test_chatml_model_chats_in_its_own_template(tmp_path):
+    """A run with a tokenizer_config.json chat_template (an imported instruct model): its template,
+    its system role, and the reply ends at <|im_end|> (or its end-of-text token)."""
+    specials = ["</s>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer.train("".join(f"<|im_start|>user\nSay {i}.<|im_end|>\n" for i in range(60)), 300,
+                          special_tokens=specials)
+    run = make_base_run(tmp_path / "chatml", tok, seed=4)
+    ChatTemplate(CHATML, {"eos_token": "</s>"}).save(run)
+    model, _ = load_model(run)
+    messages = [{"role": "system", "content": "Be brief."}, user("Hi")]
+    with serving(run) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="chatml", messages=messages, max_tokens=30, temperature=0)
+    expected = chat(model, tok, messages, max_new_tokens=30, temperature=0.0, template=ChatTemplate.for_run(run))
+    assert reply.choices[0].message.content == expected.split("</s>")[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# continuous batching, the queue, disconnecting clients
+
+
+def test_concurrent_requests_share_the_batch_and_each_equals_its_request_alone(server, client, model_tok):
+    """10 requests with their own sampling at once on 4 rows: they join and leave the batch between
+    steps, and each gets exactly what it gets alone (and what generate gives)."""
+    model, tok = model_tok
+    url, app = server
+    decoder = app.state.scheduler.decoder
+    requests = [dict(prompt=PROMPTS[i % 3], max_tokens=6 + 3 * i, temperature=[0, 0.8, 1.2][i % 3], seed=i,
+                     top_p=[1, 0.9][i % 2]) for i in range(10)]
+    alone = [client.completions.create(model="tiny-sft", **r).choices[0].text for r in requests]
+    steps, row_steps = decoder.steps, decoder.row_steps
+
+    async def all_at_once():
+        async_client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        results = await asyncio.gather(*(async_client.completions.create(model="tiny-sft", **r) for r in requests))
+        return [c.choices[0].text for c in results]
+
+    assert asyncio.run(all_at_once()) == alone
+    assert decoder.row_steps - row_steps > 2 * (decoder.steps - steps)   # most steps decoded several requests
+    assert alone[1] == generate(model, tok, PROMPTS[1], max_new_tokens=9, temperature=0.8, top_p=0.9, seed=1)
+
+
+def test_a_full_queue_answers_429_and_disconnected_clients_free_their_rows(alpaca_run):
+    with serving(alpaca_run, max_batch=1, max_queue=1) as (url, _):
+        body = {"prompt": "It was", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json=body) as first:       # takes the one row
+                lines = first.iter_lines()
+                assert next(lines).startswith("data: ")
+                with http.stream("POST", "/v1/completions", json=body) as second:  # waits for it
+                    assert second.status_code == 200
+                    third = httpx.post(url + "/v1/completions", json=body)
+                    assert third.status_code == 429 and "--max-queue 1" in third.json()["error"]["message"]
+            # both clients went away: the row is free and nothing waits
+            wait_until(lambda: httpx.get(url + "/health").json()["waiting"] == 0 and active_rows(url) == 0)
+            # a client of a non-streamed request that goes away frees its row too
+            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as raw:
+                payload = json.dumps({**body, "stream": False}).encode()
+                raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+                wait_until(lambda: active_rows(url) == 1)
+            wait_until(lambda: active_rows(url) == 0)
+            assert http.post("/v1/completions", json={"prompt": "It", "max_tokens": 3}).status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------
+# bad requests: a 4xx with OpenAI's error object, and the server goes on
+
+
+@pytest.mark.parametrize("path, body, status, param, message", [
+    ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "must be a JSON object"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "It"}, 404, "model", "does not exist"),
+    ("/v1/completions", {"prompt": "It", "max_tokens": -1}, 400, "max_tokens", "at least 0"),
+    ("/v1/completions", {"prompt": "word " * 200}, 400, "prompt", "longer than the model's context of 96 tokens"),
+    ("/v1/completions", {"prompt": "It", "n": 9}, 400, "n", "n must be between 1 and 4"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, 400, "n", "asks for 6 choices"),
+    ("/v1/completions", {"prompt": "It", "temperature": "hot"}, 400, "temperature", "must be a number"),
+    ("/v1/completions", {"prompt": "It", "temperature": 3}, 400, "temperature", "between 0 and 2"),
+    ("/v1/completions", {"prompt": "It", "top_p": 1.5}, 400, "top_p", "between 0 and 1"),
+    ("/v1/completions", {"prompt": "It", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+    ("/v1/completions", {"prompt": "It", "stream": "yes"}, 400, "stream", "must be a boolean"),
+    ("/v1/completions", {"prompt": [10**6]}, 400, "prompt", "outside the vocabulary"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "it is required"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty array"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages", "must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}, user("Hi")]}, 400, "messages",
+     "Alpaca template has none"),
+    ("/v1/chat/completions", {"messages": [user("word " * 200)]}, 400, "messages", "longer than the model's context"),
+])
+def test_bad_requests_are_4xx_with_a_message(server, path, body, status, param, message):
+    url = server[0]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(url + path, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and message in error["message"], error
+    assert error["param"] == param
+    assert httpx.post(url + "/v1/completions", json={"prompt": "It", "max_tokens": 2}).status_code == 200
+
+
+def test_routes_and_errors_through_the_client(server, client):
+    assert httpx.get(server[0] + "/v1/nothing").status_code == 404
+    assert httpx.get(server[0] + "/v1/completions").status_code == 405
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="It")
+    with pytest.raises(openai.BadRequestError, match="n must be between"):
+        client.chat.completions.create(model="tiny-sft", messages=[user("Hi")], n=50)
+    assert client.completions.create(model="tiny-sft", prompt="It", max_tokens=0).choices[0].text == ""
+
+
+def test_a_pretrained_run_serves_completions_only(tmp_path, tok):
+    run = make_base_run(tmp_path / "base", tok, seed=1)
+    with serving(run) as (url, _):
+        response = httpx.post(url + "/v1/chat/completions", json={"messages": [user("Hi")]})
+        assert response.status_code == 400 and "no chat template" in response.json()["error"]["message"]
+        assert httpx.get(url + "/v1/models").json()["data"][0]["chat"] is False
+        assert httpx.post(url + "/v1/completions", json={"prompt": "It", "max_tokens": 2}).status_code == 200
+    with serving(run, template=ChatTemplate.alpaca()) as (url, _):   # as `serve --template alpaca`
+        assert httpx.post(url + "/v1/chat/completions", json={"messages": [user("Hi")], "max_tokens": 2}
+                          ).status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------
+# the command
+
+
+def test_serve_command_errors_are_one_line(tmp_path, alpaca_run):
+    def serve(*args):
+        return subprocess.run([sys.executable, "-m", "nanoeuler_core.cli", "serve", *map(str, args)],
+                              capture_output=True, text=True, timeout=120)
+
+    missing = serve(tmp_path / "nope")
+    assert missing.returncode == 1 and missing.stderr.strip().splitlines() == \
+        [f"error: run directory {tmp_path / 'nope'} does not exist"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = serve(alpaca_run, "--port", taken.getsockname()[1])
+    lines = busy.stderr.strip().splitlines()
+    assert busy.returncode == 1 and len(lines) == 1 and "cannot listen on 127.0.0.1" in lines[0], busy.stderr
+    with listen("127.0.0.1", 0) as sock:   # a TCP socket, so that each connection streams without Nagle's delay
+        assert sock.proto == socket.IPPROTO_TCP
