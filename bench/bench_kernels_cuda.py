@@ -3,9 +3,14 @@ where torch is installed, the same operation in PyTorch on the same card, in one
 
     python bench/bench_kernels_cuda.py [--batch-size 32] [--precision bf16|tf32|fp32] [--ops rmsnorm,add_rmsnorm]
                                        [--json results.json]
+    python bench/bench_kernels_cuda.py --decode [--ops norm_swiglu] [--json results.json]
 
 In bf16 the activations are bf16 in both engines (PyTorch: bf16 tensors, SDPA's flash kernel);
 AdamW stays float32 (master weights).
+
+--decode times the weight-reading decoding kernels instead (norm_linear, linear_residual,
+norm_swiglu) at 1, 8 and 32 rows, as a decoding step runs them: bf16 weights, float32 activations.
+Their roofline is reading the weights once: the figure is weight bytes per second.
 
 Each figure is the median over several timed batches of GPU time per call, measured with CUDA
 events after a warm-up. A sleep kernel queued ahead of each batch lets the host queue the whole
@@ -26,13 +31,14 @@ from numba import cuda
 
 from nanoeuler_core import registry
 from nanoeuler_ops.cuda import BACKEND, cublas, runtime
-from nanoeuler_ops.cuda import (adamw, add, add_rmsnorm, attention, cross_entropy, embedding, linear, qkv_rope, rmsnorm,
-                                swiglu)
+from nanoeuler_ops.cuda import (adamw, add, add_rmsnorm, attention, cross_entropy, embedding, linear, linear_residual,
+                                norm_linear, norm_swiglu, qkv_rope, rmsnorm, swiglu)
 
 C, H, KV, D, F, V, THETA = 768, 12, 4, 64, 2048, 4096, 10000.0   # the gpu preset
 PARAMS = 116_417_280
 PEAK = {"fp32": 67e12, "tf32": 495e12, "bf16": 989e12}   # Hopper SXM datasheet, dense (H100 and H200 alike)
 REPS, BATCHES = 20, 5
+DECODE_ROWS = (1, 8, 32)   # a step over 1 row, 8 rows, and 8 rows fed 4 tokens each (speculative)
 SLEEP_NS = 20_000_000
 
 
@@ -233,6 +239,40 @@ def torch_fns(torch, B: int, precision: str):
     }
 
 
+def decode_cases(rows: int, rng, dims=(C, F, (H + 2 * KV) * D)):
+    """(op, shape, numba fn, weight bytes) of the decoding ops at `rows` rows, as a decoding step
+    calls them: bf16 weights and norm scales, float32 activations. dims = (C, F, q/k/v outputs)."""
+    dim, hidden, qkv_out = dims
+    bf16 = lambda *shape: BACKEND.asarray(0.02 * rng.standard_normal(shape), "bf16")   # noqa: E731
+    f32 = lambda *shape: BACKEND.asarray(rng.standard_normal(shape))   # noqa: E731
+    x, act = f32(rows, dim), f32(rows, hidden)
+    g = BACKEND.asarray(1.0 + 0.1 * rng.standard_normal(dim), "bf16")
+    wqkv, wo, w_gate_up, w_down = bf16(qkv_out, dim), bf16(dim, dim), bf16(2 * hidden, dim), bf16(dim, hidden)
+    return [
+        ("norm_linear", f"{qkv_out}x{dim}", lambda: norm_linear.forward(x, g, wqkv, eps=1e-5), wqkv.nbytes),
+        ("linear_residual", f"{dim}x{dim}", lambda: linear_residual.forward(x, wo, x), wo.nbytes),
+        ("norm_swiglu", f"{2 * hidden}x{dim}", lambda: norm_swiglu.forward(x, g, w_gate_up, eps=1e-5),
+         w_gate_up.nbytes),
+        ("linear_residual", f"{dim}x{hidden}", lambda: linear_residual.forward(act, w_down, x), w_down.nbytes),
+    ]
+
+
+def time_decode_cases(args, rng, bandwidth) -> list[dict]:
+    """Time every decoding case at each of DECODE_ROWS rows; print a line each."""
+    rows = []
+    for n in DECODE_ROWS:
+        for op, shape, fn, nbytes in decode_cases(n, rng):
+            if args.ops and op not in args.ops.split(","):
+                continue
+            ms = time_numba(fn)
+            rate = nbytes / (ms * 1e-3)
+            rows.append(dict(op=op, shape=shape, rows=n, us=ms * 1e3, weight_bytes=nbytes, achieved=rate,
+                             roofline_fraction=rate / bandwidth))
+            print(f"{op:<16} {shape:>9}  {n:3d} rows  {ms * 1e3:8.2f} us  {rate / 1e9:7.0f} GB/s of weights  "
+                  f"{100 * rate / bandwidth:5.1f}% of copy bandwidth", flush=True)
+    return rows
+
+
 def time_cases(args, rng, torch, torch_ops, bandwidth) -> list[dict]:
     """Time every case (ours, and the PyTorch peer where there is one); print a line each."""
     rows = []
@@ -263,7 +303,12 @@ def main() -> None:
     parser.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="bf16")
     parser.add_argument("--ops", help="time only these ops, comma-separated (e.g. rmsnorm,add_rmsnorm)")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--decode", action="store_true",
+                        help="time the decoding kernels (bf16 weights, float32 rows) at 1, 8 and 32 rows instead")
     args = parser.parse_args()
+    if args.decode:
+        decode_main(args)
+        return
     try:
         import torch
         torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
@@ -284,6 +329,18 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(dict(device=name, batch_size=args.batch_size, precision=args.precision, copy_bandwidth=bandwidth,
                            rows=rows), f, indent=1)
+
+
+def decode_main(args) -> None:
+    name = cuda.get_current_device().name
+    name = name.decode() if isinstance(name, bytes) else name
+    bandwidth, measured_by = copy_bandwidth(None)
+    print(f"{name}; decoding kernels, bf16 weights, float32 rows; copy bandwidth {bandwidth / 1e9:.0f} GB/s "
+          f"({measured_by})")
+    rows = time_decode_cases(args, np.random.default_rng(0), bandwidth)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=name, mode="decode", copy_bandwidth=bandwidth, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
