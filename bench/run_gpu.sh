@@ -8,6 +8,8 @@
 #               from the same weights and batches
 #   generation: a `gpu` model trained 300 steps, decoding tests and the decoding benchmark
 #   dist:       the NCCL communicator and the captured step with the all-reduce inside (one rank)
+#   attention:  the attention tests on the GPU, its kernels against SDPA, and (where ncu runs) their hardware
+#               counters
 #   sizes:      the step of gpu-medium and gpu-large (context 1024) against PyTorch, with and without
 #               --recompute
 #   serve:      the load test of `nanoeuler-run serve` on a `gpu` model: 1, 16 and 64 streaming clients
@@ -58,6 +60,18 @@ dist)
         timeout 90 "$mpiexec" -n 1 python3 bench/bench_dist.py --variant "$variant" --batch-size 32 --steps 20 --warmup 3
     done 2>&1 | quiet | tee "$log_dir/dist_steps.jsonl"
     python3 bench/dist_compare.py steps "$log_dir/dist_steps.jsonl" | tee "$log_dir/dist_summary.txt"
+    ;;
+attention)
+    timeout 300 python3 -m pytest -q -o addopts="" -m gpu tests/test_cuda.py -k attention -p no:cacheprovider \
+        -W ignore::numba.core.errors.NumbaPerformanceWarning 2>&1 | tail -n 5 | tee "$log_dir/attention_tests.log"
+    timeout 120 python3 bench/bench_kernels_cuda.py --precision bf16 --ops attention 2>&1 | quiet | tee "$log_dir/kernels_attention.log"
+    if command -v ncu > /dev/null; then
+        for kernel in forward dq dkdv; do
+            timeout 300 ncu --clock-control none -k regex:"mma_${kernel}_kernel" -c 1 --section SpeedOfLight \
+                --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+                python3 bench/bench_kernels_cuda.py --precision bf16 --ops attention > "$log_dir/ncu_attention_$kernel.log" 2>&1
+        done
+    fi
     ;;
 sizes)
     for preset in gpu-medium gpu-large; do

@@ -1,9 +1,11 @@
 """The tensor-core primitives of the CUDA backend: a warp's mma.sync tile in the documented fragment
-layout, and bf16 conversions. On a GPU the inline-PTX instructions run; under the simulator their
+layout, tiles copied to shared memory by cp.async and read into fragments by ldmatrix, and bf16
+conversions. On a GPU the inline-PTX instructions run; under the simulator their
 twins, which the simulated tensor-core kernels rely on, are checked against the same NumPy answer."""
 
 import numpy as np
-from numba import cuda
+import pytest
+from numba import cuda, uint32, uint64
 
 from nanoeuler_core.registry import bf16_bits, bf16_values
 from nanoeuler_ops.cuda import runtime
@@ -17,6 +19,33 @@ def _one_tile(a, b, c, d):
     out = runtime.mma_bf16(a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[g, t], b[g, t + 4],
                            c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
     d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = out[0], out[1], out[2], out[3]
+
+
+SHARED_ROW = 12   # words per shared row: 8 of data and 4 of padding, a multiple of 16 bytes
+
+
+@cuda.jit
+def _tile_through_shared(a, src, valid_rows, trans, d):
+    # a (16, 8) words: A (16 x 16); src (128,) words, 16 rows of 8: B^T by rows (n-major), or B by
+    # rows (k-major) if trans; d (16, 16) = A B, B's rows (trans) or columns past valid_rows as zeros
+    sh = cuda.shared.array(16 * SHARED_ROW, uint32, alignment=None if runtime.SIMULATOR else 16)
+    base = runtime.shared_base(sh)
+    lane = cuda.threadIdx.x
+    g, t = lane // 4, lane % 4
+    row, chunk = lane // 2, 4 * (lane % 2)   # one 16-byte chunk a lane
+    runtime.cp_async_16(sh, base, uint32(row * SHARED_ROW + chunk), src, uint64(min(row, valid_rows - 1) * 8 + chunk),
+                        row < valid_rows)
+    runtime.cp_async_wait_all()
+    cuda.syncthreads()
+    if trans:   # matrices: k rows 0-7 and 8-15 of n columns 0-7, then of n columns 8-15
+        b = runtime.ldmatrix_x4_trans(sh, base, uint32((lane % 8 + 8 * (lane // 8 % 2)) * SHARED_ROW + 4 * (lane // 16)))
+    else:       # matrices: n rows 0-7 over k 0-7 and k 8-15, then n rows 8-15
+        b = runtime.ldmatrix_x4(sh, base, uint32((lane % 8 + 8 * (lane // 16)) * SHARED_ROW + 4 * (lane // 8 % 2)))
+    for n in range(2):
+        out = runtime.mma_bf16(a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[2 * n], b[2 * n + 1],
+                               np.float32(0), np.float32(0), np.float32(0), np.float32(0))
+        d[g, 8 * n + 2 * t], d[g, 8 * n + 2 * t + 1] = out[0], out[1]
+        d[g + 8, 8 * n + 2 * t], d[g + 8, 8 * n + 2 * t + 1] = out[2], out[3]
 
 
 @cuda.jit
@@ -45,6 +74,26 @@ def test_mma_tile_matches_numpy():
     _one_tile[1, 32](cuda.to_device(_words(a)), cuda.to_device(_words(b.T)), cuda.to_device(c), d)
     expected = a.astype(np.float64) @ b + c
     np.testing.assert_allclose(d.copy_to_host(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_cp_async_and_ldmatrix_give_mma_fragments(trans):
+    """A B tile copied to shared memory by cp.async (rows past the valid ones zero-filled) and read
+    by ldmatrix, as stored (B^T by rows) or transposed (B by rows), multiplies as NumPy does."""
+    rng = np.random.default_rng(2)
+    a = bf16_values(bf16_bits(rng.standard_normal((16, 16))))
+    b = bf16_values(bf16_bits(rng.standard_normal((16, 16))))
+    valid_rows = 13
+    stored = b if trans else b.T
+    d = cuda.device_array((16, 16), np.float32)
+    _tile_through_shared[1, 32](cuda.to_device(_words(a)), cuda.to_device(_words(stored).reshape(-1)), valid_rows,
+                                trans, d)
+    kept = b.copy()
+    if trans:
+        kept[valid_rows:, :] = 0.0
+    else:
+        kept[:, valid_rows:] = 0.0
+    np.testing.assert_allclose(d.copy_to_host(), a.astype(np.float64) @ kept, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_conversions_round_to_nearest_even():

@@ -20,9 +20,9 @@ materialised.
   dkdv      block = a tile of keys of one (b, kv head), streaming tiles of query rows of every
             query head of its group, so the group's gradients add up in registers: no atomics,
             no races.
-Each streamed tile is loaded once, into registers while the previous one is still being
-multiplied. The tiles live in dynamic shared memory (runtime.launch raises a kernel's limit past
-48 KB). The head size D is a compile-time constant (register tiles are unrolled), so each
+Each streamed tile is loaded once, while the previous one is still being multiplied (SIMT: into
+registers, then shared memory; tensor-core: by cp.async straight into shared memory). The tiles
+live in dynamic shared memory (runtime.launch raises a kernel's limit past 48 KB). The head size D is a compile-time constant (register tiles are unrolled), so each
 family's factory compiles its kernels for one D.
 """
 
@@ -38,6 +38,7 @@ from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.runtime import bf16x2_values, mma_bf16, pack_bf16x2, quad_max, quad_sum, stored, to_f32
 
 SHARED_ALIGN = None if runtime.SIMULATOR else 16   # 16-byte aligned shared memory (the simulator takes no alignment)
+LOG2E = math.log2(math.e)
 MASKED = -1e30   # the score of a key in a row's causal future: exp() of it is 0, and unlike -inf it stays
                  # well defined under fastmath
 
@@ -531,19 +532,29 @@ SIMT_FAMILY = Family(simt_kernels, TILE, THREADS, tensor=lambda x: x, takes_size
 #
 # bf16 on the tensor cores with mma.sync m16n8k16 (see runtime's fragment layout). A block is 4
 # warps; each warp owns 16 rows of a 64-row tile (query rows in the forward and dq kernels, keys in
-# the dk/dv kernel) and streams 64-column tiles of the other side through shared memory.
+# the dk/dv kernel) and streams 64-row tiles of the other side through shared memory.
 # The row side's operands (q and do, or k and v) stay in registers as A fragments for the whole
 # kernel; a product's float32 accumulators become the next product's A fragments in registers
 # (P for P V, dS for dS K): the FlashAttention-2 register reuse, no shared-memory round trip.
 # Tensors travel as uint32 words of two neighbouring bf16 along the head dim (a view of the bf16
-# array). Streamed tiles are stored in shared memory either row by row (rows of words: a B operand
-# over the head dims) or transposed (rows of head dims, words of two neighbouring rows: a B operand
-# over the rows), rows padded to 36 words so that a warp's fragment loads hit 32 distinct banks.
+# array). Streamed tiles go from global to shared memory by cp.async, row by row (rows padded to
+# WS = D/2 + 4 words, so that the eight 16-byte rows an ldmatrix phase reads fall in distinct
+# banks), and from there into B fragments by ldmatrix: as stored for a product over the head dims
+# (S = Q K^T), transposed (ldmatrix.trans) for a product over the tile's rows (O += P V).
 
-MMA_ROWS = 64                      # rows of a block's tile and columns of a streamed tile
+MMA_ROWS = 64                      # rows of a block's tile and of a streamed tile
 MMA_WARPS = MMA_ROWS // 16
 MMA_THREADS = MMA_WARPS * runtime.WARP
 MMA_PAD = 4                        # words of padding per shared row
+# The most registers a thread of the forward, dq and dk/dv kernels may take (None: no cap). A cap
+# lets more blocks share a multiprocessor, at the price of spills or fewer loads in flight; on an
+# H100 128 spilled and 168 gained nothing (bench/probe_mma_registers.sh, bench/RESULTS.md)
+MMA_MAX_REGISTERS = (None, None, None)
+
+
+def _mma_options(max_registers) -> dict:
+    return {"fastmath": True} if runtime.SIMULATOR or max_registers is None else \
+        {"fastmath": True, "max_registers": max_registers}
 
 
 def mma_supported(q) -> bool:
@@ -557,56 +568,32 @@ def mma_kernels(D: int) -> FlashKernels:
     shared memory (bytes) it takes. They take tensors as flat uint32 words (_words)."""
     W = D // 2                     # words per row of a tile over the head dims
     WS = W + MMA_PAD               # its shared row stride (words)
-    NT = MMA_ROWS // 2 + MMA_PAD   # shared row stride of a transposed tile (words of two rows)
-    ROWS_TILE = MMA_ROWS * WS      # words of a tile stored row by row
-    T_TILE = D * NT                # words of a tile stored transposed
+    TILE_WORDS = MMA_ROWS * WS     # words of a streamed tile in shared memory
     KD = D // 16                   # k-steps of a product over the head dims
     ND = D // 8                    # n-tiles of an output over the head dims
     NR = MMA_ROWS // 8             # n-tiles of a score tile (8 columns each)
     KR = MMA_ROWS // 16            # k-steps of a product over a tile's 64 rows
-    PAIRS = MMA_ROWS // 2 * W // MMA_THREADS   # word pairs (same word of two neighbouring rows) a thread fetches per tile
+    CHUNKS = MMA_ROWS * W // 4 // MMA_THREADS   # 16-byte chunks a thread copies per tile
     u32, f32, u64 = uint32, float32, uint64
 
     # Tensors arrive flat: word w of row `row` of head `head` in batch b sits at
-    # ((b * n_rows + row) * heads + head) * W + w. Loads read a clamped, in-bounds word and drop it
-    # past the last row, so no branch separates them and all of a tile's loads are in flight at once;
-    # unsigned indices skip the negative-index wraparound.
+    # ((b * n_rows + row) * heads + head) * W + w. Unsigned indices skip the negative-index wraparound.
     # Streamed tiles live in two stages of one dynamic shared buffer `sh`: while a step multiplies
-    # the tiles of one stage, the next tiles, already fetched into registers, are stored into the
-    # other (one barrier a step). A tile is addressed as sh[base + index], base the stage's offset.
+    # the tiles of one stage, the next tiles are in flight (cp.async) into the other; one barrier a
+    # step. A tile is addressed as sh[base + index], base its offset in the buffer.
 
     @cuda.jit(device=True, inline=True)
-    def fetch_pairs(lo, hi, src, b, row0, n_rows, head, heads, tid):
-        # lo[n], hi[n] = word w of rows row0 + 2j and row0 + 2j + 1, for item tid + 128 n = j W + w
-        base = u64((b * n_rows) * heads + head) * u64(W)
+    def fetch_tile(sh, sb, base, src, b, row0, n_rows, head, heads, tid):
+        # start copying rows row0 .. row0 + 63 of (b, head) to sh[base + r WS + w]; zeros past the last row
+        # (sb = shared_base(sh))
+        start = u64((b * n_rows) * heads + head) * u64(W)
         stride = u64(heads * W)
         last = u64(n_rows - 1)
-        for n in range(PAIRS):
-            i = u64(tid + n * MMA_THREADS)
-            j, w = i // u64(W), i % u64(W)
-            row = u64(row0) + u64(2) * j
-            a = src[base + min(row, last) * stride + w]
-            c = src[base + min(row + u64(1), last) * stride + w]
-            lo[n] = a if row <= last else u32(0)
-            hi[n] = c if row + u64(1) <= last else u32(0)
-
-    @cuda.jit(device=True, inline=True)
-    def put_rows(sh, base, lo, hi, tid):
-        # the fetched pairs row by row: word w of row r at sh[base + r WS + w]
-        for n in range(PAIRS):
-            i = u64(tid + n * MMA_THREADS)
-            j, w = i // u64(W), i % u64(W)
-            sh[base + u64(2 * WS) * j + w] = lo[n]
-            sh[base + u64(2 * WS) * j + u64(WS) + w] = hi[n]
-
-    @cuda.jit(device=True, inline=True)
-    def put_transposed(sh, base, lo, hi, tid):
-        # the fetched pairs transposed: the bf16 of rows 2j and 2j + 1 at head dim d in sh[base + d NT + j]
-        for n in range(PAIRS):
-            i = u64(tid + n * MMA_THREADS)
-            j, w = i // u64(W), i % u64(W)
-            sh[base + u64(2 * NT) * w + j] = (lo[n] & u32(0xFFFF)) | (hi[n] << u32(16))
-            sh[base + u64(2 * NT) * w + u64(NT) + j] = (lo[n] >> u32(16)) | (hi[n] & u32(0xFFFF0000))
+        for n in range(CHUNKS):
+            i = u32(tid + n * MMA_THREADS)
+            r, c = i // u32(W // 4), u32(4) * (i % u32(W // 4))
+            row = u64(row0) + u64(r)
+            runtime.cp_async_16(sh, sb, base + r * u32(WS) + c, src, start + min(row, last) * stride + u64(c), row <= last)
 
     @cuda.jit(device=True, inline=True)
     def load_fragments(frag, src, b, r0, n_rows, head, heads, g, t):
@@ -637,37 +624,41 @@ def mma_kernels(D: int) -> FlashKernels:
                 dst[base + u64(rb) * stride + w] = pack_bf16x2(acc[dn, 2] * scale, acc[dn, 3] * scale)
 
     @cuda.jit(device=True, inline=True)
-    def mma_over_dims(acc, frag, sh, base, g, t):
-        # acc[n] += (A = the warp's 16 rows over D) x (B = tile rows 8n .. 8n+7, stored row by row)^T
-        lane_base = base + u64(g * WS + t)
-        for n in range(NR):
-            for kc in range(KD):
-                b0 = sh[lane_base + u64(8 * n * WS + 8 * kc)]
-                b1 = sh[lane_base + u64(8 * n * WS + 8 * kc + 4)]
-                c = mma_bf16(frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3], b0, b1,
-                             acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
-                acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3] = c[0], c[1], c[2], c[3]
+    def mma(acc, n, a0, a1, a2, a3, b0, b1):
+        # acc[n] += A B for one 16 x 8 tile
+        c = mma_bf16(a0, a1, a2, a3, b0, b1, acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
+        acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3] = c[0], c[1], c[2], c[3]
 
     @cuda.jit(device=True, inline=True)
-    def mma_over_rows(acc, scores, sh, base, g, t):
-        # acc[dn] += (A = scores, 16 x 64 float32 accumulators, rounded to bf16) x (B = the streamed tile's
-        # 64 rows over head dims 8dn .. 8dn+7, stored transposed)
-        lane_base = base + u64(g * NT + t)
+    def mma_over_dims(acc, frag, sh, sb, base, lane):
+        # acc[n] += (A = the warp's 16 rows over D) x (B = tile rows 8n .. 8n+7)^T; one ldmatrix
+        # gives the B fragments of n-tiles n and n + 1 (lanes 16..31 address the second's rows)
+        lane_base = base + u32((lane % 8 + 8 * (lane // 16)) * WS + 4 * (lane // 8 % 2))
+        for n in range(0, NR, 2):
+            for kc in range(KD):
+                b = runtime.ldmatrix_x4(sh, sb, lane_base + u32(8 * n * WS + 8 * kc))
+                mma(acc, n, frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3], b[0], b[1])
+                mma(acc, n + 1, frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3], b[2], b[3])
+
+    @cuda.jit(device=True, inline=True)
+    def mma_over_rows(acc, scores, sh, sb, base, lane):
+        # acc[dn] += (A = scores, 16 x 64 float32 accumulators, rounded to bf16) x (B = the tile's 64
+        # rows over head dims 8dn .. 8dn+7); one ldmatrix.trans gives the B fragments of dn and dn + 1
+        lane_base = base + u32((lane % 8 + 8 * (lane // 8 % 2)) * WS + 4 * (lane // 16))
         for kc in range(KR):
             a0 = pack_bf16x2(scores[2 * kc, 0], scores[2 * kc, 1])
             a1 = pack_bf16x2(scores[2 * kc, 2], scores[2 * kc, 3])
             a2 = pack_bf16x2(scores[2 * kc + 1, 0], scores[2 * kc + 1, 1])
             a3 = pack_bf16x2(scores[2 * kc + 1, 2], scores[2 * kc + 1, 3])
-            for dn in range(ND):
-                b0 = sh[lane_base + u64(8 * dn * NT + 8 * kc)]
-                b1 = sh[lane_base + u64(8 * dn * NT + 8 * kc + 4)]
-                c = mma_bf16(a0, a1, a2, a3, b0, b1, acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3])
-                acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3] = c[0], c[1], c[2], c[3]
+            for dn in range(0, ND, 2):
+                b = runtime.ldmatrix_x4_trans(sh, sb, lane_base + u32(16 * kc * WS + 4 * dn))
+                mma(acc, dn, a0, a1, a2, a3, b[0], b[1])
+                mma(acc, dn + 1, a0, a1, a2, a3, b[2], b[3])
 
-    # forward stage: k (rows), v (transposed)
-    FWD_STAGE = ROWS_TILE + T_TILE
+    # forward stage: k, v
+    FWD_STAGE = 2 * TILE_WORDS
 
-    @cuda.jit(fastmath=True)
+    @cuda.jit(**_mma_options(MMA_MAX_REGISTERS[0]))
     def mma_forward_kernel(q, k, v, T, S, H, KV, scale, o, lse):
         # q, o (B*T*H*D/2,) and k, v (B*S*KV*D/2,) words of bf16 pairs, lse (B, H, T) float32;
         # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step
@@ -679,42 +670,40 @@ def mma_kernels(D: int) -> FlashKernels:
         t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * MMA_ROWS   # the last rows, with the most keys, start first
         r0 = t0 + 16 * warp
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
+        sb = runtime.shared_base(sh)
         q_frag = cuda.local.array((KD, 4), uint32)
         scores = cuda.local.array((NR, 4), float32)
         acc = cuda.local.array((ND, 4), float32)
-        k_lo = cuda.local.array(PAIRS, uint32)
-        k_hi = cuda.local.array(PAIRS, uint32)
-        v_lo = cuda.local.array(PAIRS, uint32)
-        v_hi = cuda.local.array(PAIRS, uint32)
+        fetch_tile(sh, sb, u32(0), k, b, 0, S, kv, KV, tid)
+        fetch_tile(sh, sb, u32(TILE_WORDS), v, b, 0, S, kv, KV, tid)
         load_fragments(q_frag, q, b, r0, T, h, H, g, t)
-        fetch_pairs(k_lo, k_hi, k, b, 0, S, kv, KV, tid)
-        fetch_pairs(v_lo, v_hi, v, b, 0, S, kv, KV, tid)
-        put_rows(sh, u64(0), k_lo, k_hi, tid)
-        put_transposed(sh, u64(ROWS_TILE), v_lo, v_hi, tid)
         _zero(acc)
-        top_a, top_b = f32(MASKED), f32(MASKED)     # running max of rows g and g + 8 (scaled scores)
+        scale2 = scale * f32(LOG2E)                 # exp(scale x) = exp2(scale2 x): one multiply-add and ex2
+        top_a, top_b = f32(MASKED), f32(MASKED)     # running max of rows g and g + 8 (unscaled scores)
         sum_a, sum_b = f32(0.0), f32(0.0)           # this lane's share of their running sums
-        last_a, last_b = (S - T) + r0 + g, (S - T) + r0 + g + 8   # the last key each row sees
+        last_a, last_b = min((S - T) + r0 + g, S - 1), min((S - T) + r0 + g + 8, S - 1)   # the last key each row sees
         keys_end = min(S, (S - T) + t0 + MMA_ROWS)
         for s0 in range(0, keys_end, MMA_ROWS):
-            stage = u64((s0 // MMA_ROWS) % 2 * FWD_STAGE)
-            cuda.syncthreads()   # this stage is stored; the other one is read
-            has_next = s0 + MMA_ROWS < keys_end
-            if has_next:
-                fetch_pairs(k_lo, k_hi, k, b, s0 + MMA_ROWS, S, kv, KV, tid)
-                fetch_pairs(v_lo, v_hi, v, b, s0 + MMA_ROWS, S, kv, KV, tid)
+            stage = u32((s0 // MMA_ROWS) % 2 * FWD_STAGE)
+            runtime.cp_async_wait_all()
+            cuda.syncthreads()   # this stage has landed; every warp is done reading the other one
+            if s0 + MMA_ROWS < keys_end:
+                other = u32(FWD_STAGE) - stage
+                fetch_tile(sh, sb, other, k, b, s0 + MMA_ROWS, S, kv, KV, tid)
+                fetch_tile(sh, sb, other + u32(TILE_WORDS), v, b, s0 + MMA_ROWS, S, kv, KV, tid)
             _zero(scores)
-            mma_over_dims(scores, q_frag, sh, stage, g, t)
+            mma_over_dims(scores, q_frag, sh, sb, stage, lane)
             tile_a, tile_b = f32(MASKED), f32(MASKED)
+            seen_a, seen_b = last_a - s0, last_b - s0   # the last column each row sees
             for n in range(NR):
                 for c in range(2):
-                    key = s0 + 8 * n + 2 * t + c
-                    scores[n, c] = scores[n, c] * scale if key <= last_a and key < S else f32(MASKED)
-                    scores[n, c + 2] = scores[n, c + 2] * scale if key <= last_b and key < S else f32(MASKED)
+                    col = 8 * n + 2 * t + c
+                    scores[n, c] = scores[n, c] if col <= seen_a else f32(MASKED)
+                    scores[n, c + 2] = scores[n, c + 2] if col <= seen_b else f32(MASKED)
                     tile_a = max(tile_a, scores[n, c])
                     tile_b = max(tile_b, scores[n, c + 2])
             new_a, new_b = max(top_a, quad_max(tile_a)), max(top_b, quad_max(tile_b))
-            rescale_a, rescale_b = math.exp(top_a - new_a), math.exp(top_b - new_b)
+            rescale_a, rescale_b = math.exp2((top_a - new_a) * scale2), math.exp2((top_b - new_b) * scale2)
             top_a, top_b = new_a, new_b
             sum_a *= rescale_a
             sum_b *= rescale_b
@@ -723,23 +712,20 @@ def mma_kernels(D: int) -> FlashKernels:
                 acc[dn, 1] *= rescale_a
                 acc[dn, 2] *= rescale_b
                 acc[dn, 3] *= rescale_b
+            shift_a, shift_b = top_a * scale2, top_b * scale2
             for n in range(NR):
                 for c in range(2):
-                    scores[n, c] = math.exp(scores[n, c] - top_a)
-                    scores[n, c + 2] = math.exp(scores[n, c + 2] - top_b)
+                    scores[n, c] = math.exp2(scores[n, c] * scale2 - shift_a)
+                    scores[n, c + 2] = math.exp2(scores[n, c + 2] * scale2 - shift_b)
                     sum_a += scores[n, c]
                     sum_b += scores[n, c + 2]
-            mma_over_rows(acc, scores, sh, stage + u64(ROWS_TILE), g, t)
-            if has_next:
-                other = u64(FWD_STAGE) - stage
-                put_rows(sh, other, k_lo, k_hi, tid)
-                put_transposed(sh, other + u64(ROWS_TILE), v_lo, v_hi, tid)
+            mma_over_rows(acc, scores, sh, sb, stage + u32(TILE_WORDS), lane)
         sum_a, sum_b = quad_sum(sum_a), quad_sum(sum_b)
         if t == 0:
             if r0 + g < T:
-                lse[b, h, r0 + g] = top_a + math.log(sum_a)
+                lse[b, h, r0 + g] = top_a * scale + math.log(sum_a)
             if r0 + g + 8 < T:
-                lse[b, h, r0 + g + 8] = top_b + math.log(sum_b)
+                lse[b, h, r0 + g + 8] = top_b * scale + math.log(sum_b)
         for dn in range(ND):
             acc[dn, 0] /= sum_a
             acc[dn, 1] /= sum_a
@@ -747,10 +733,10 @@ def mma_kernels(D: int) -> FlashKernels:
             acc[dn, 3] /= sum_b
         store_rows(o, acc, f32(1.0), b, r0, T, h, H, g, t)
 
-    # dq stage: k (rows), v (rows), k (transposed)
-    DQ_STAGE = 2 * ROWS_TILE + T_TILE
+    # dq stage: k, v
+    DQ_STAGE = 2 * TILE_WORDS
 
-    @cuda.jit(fastmath=True)
+    @cuda.jit(**_mma_options(MMA_MAX_REGISTERS[1]))
     def mma_dq_kernel(do, q, k, v, o, lse, T, S, H, KV, scale, dq, di):
         # do, q, o, dq (B*T*H*D/2,) and k, v (B*S*KV*D/2,) words of bf16 pairs, lse, di (B, H, T) float32;
         # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step.
@@ -763,17 +749,14 @@ def mma_kernels(D: int) -> FlashKernels:
         t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * MMA_ROWS
         r0 = t0 + 16 * warp
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
+        sb = runtime.shared_base(sh)
         q_frag = cuda.local.array((KD, 4), uint32)
         do_frag = cuda.local.array((KD, 4), uint32)
         scores = cuda.local.array((NR, 4), float32)
         dp = cuda.local.array((NR, 4), float32)
         acc = cuda.local.array((ND, 4), float32)
-        k_lo = cuda.local.array(PAIRS, uint32)
-        k_hi = cuda.local.array(PAIRS, uint32)
-        v_lo = cuda.local.array(PAIRS, uint32)
-        v_hi = cuda.local.array(PAIRS, uint32)
-        fetch_pairs(k_lo, k_hi, k, b, 0, S, kv, KV, tid)
-        fetch_pairs(v_lo, v_hi, v, b, 0, S, kv, KV, tid)
+        fetch_tile(sh, sb, u32(0), k, b, 0, S, kv, KV, tid)
+        fetch_tile(sh, sb, u32(TILE_WORDS), v, b, 0, S, kv, KV, tid)
         load_fragments(do_frag, do, b, r0, T, h, H, g, t)
         load_fragments(q_frag, o, b, r0, T, h, H, g, t)   # o first, for Di; q takes its registers after
         part_a, part_b = f32(0.0), f32(0.0)
@@ -786,9 +769,6 @@ def mma_kernels(D: int) -> FlashKernels:
                 lo_o, hi_o = bf16x2_values(q_frag[kc, 2 * half + 1])
                 part_b += lo_do * lo_o + hi_do * hi_o
         load_fragments(q_frag, q, b, r0, T, h, H, g, t)
-        put_rows(sh, u64(0), k_lo, k_hi, tid)
-        put_rows(sh, u64(ROWS_TILE), v_lo, v_hi, tid)
-        put_transposed(sh, u64(2 * ROWS_TILE), k_lo, k_hi, tid)
         row_di_a, row_di_b = quad_sum(part_a), quad_sum(part_b)
         ra, rb = r0 + g, r0 + g + 8
         if t == 0:
@@ -796,41 +776,39 @@ def mma_kernels(D: int) -> FlashKernels:
                 di[b, h, ra] = row_di_a
             if rb < T:
                 di[b, h, rb] = row_di_b
-        row_lse_a = lse[b, h, min(ra, T - 1)]
-        row_lse_b = lse[b, h, min(rb, T - 1)]
+        scale2 = scale * f32(LOG2E)   # exp(scale x - lse) = exp2(scale2 x - lse log2 e)
+        row_lse_a = lse[b, h, min(ra, T - 1)] * f32(LOG2E)
+        row_lse_b = lse[b, h, min(rb, T - 1)] * f32(LOG2E)
         _zero(acc)
-        last_a, last_b = (S - T) + ra, (S - T) + rb
+        last_a, last_b = min((S - T) + ra, S - 1), min((S - T) + rb, S - 1)   # the last key each row sees
         keys_end = min(S, (S - T) + t0 + MMA_ROWS)
         for s0 in range(0, keys_end, MMA_ROWS):
-            stage = u64((s0 // MMA_ROWS) % 2 * DQ_STAGE)
+            stage = u32((s0 // MMA_ROWS) % 2 * DQ_STAGE)
+            runtime.cp_async_wait_all()
             cuda.syncthreads()
-            has_next = s0 + MMA_ROWS < keys_end
-            if has_next:
-                fetch_pairs(k_lo, k_hi, k, b, s0 + MMA_ROWS, S, kv, KV, tid)
-                fetch_pairs(v_lo, v_hi, v, b, s0 + MMA_ROWS, S, kv, KV, tid)
+            if s0 + MMA_ROWS < keys_end:
+                other = u32(DQ_STAGE) - stage
+                fetch_tile(sh, sb, other, k, b, s0 + MMA_ROWS, S, kv, KV, tid)
+                fetch_tile(sh, sb, other + u32(TILE_WORDS), v, b, s0 + MMA_ROWS, S, kv, KV, tid)
             _zero(scores)
             _zero(dp)
-            mma_over_dims(scores, q_frag, sh, stage, g, t)
-            mma_over_dims(dp, do_frag, sh, stage + u64(ROWS_TILE), g, t)
+            mma_over_dims(scores, q_frag, sh, sb, stage, lane)
+            mma_over_dims(dp, do_frag, sh, sb, stage + u32(TILE_WORDS), lane)
+            seen_a, seen_b = last_a - s0, last_b - s0   # the last column each row sees
             for n in range(NR):
                 for c in range(2):
-                    key = s0 + 8 * n + 2 * t + c
-                    p_a = math.exp(scores[n, c] * scale - row_lse_a) if key <= last_a and key < S else f32(0.0)
-                    p_b = math.exp(scores[n, c + 2] * scale - row_lse_b) if key <= last_b and key < S else f32(0.0)
+                    col = 8 * n + 2 * t + c
+                    p_a = math.exp2(scores[n, c] * scale2 - row_lse_a) if col <= seen_a else f32(0.0)
+                    p_b = math.exp2(scores[n, c + 2] * scale2 - row_lse_b) if col <= seen_b else f32(0.0)
                     dp[n, c] = p_a * (dp[n, c] - row_di_a)
                     dp[n, c + 2] = p_b * (dp[n, c + 2] - row_di_b)
-            mma_over_rows(acc, dp, sh, stage + u64(2 * ROWS_TILE), g, t)
-            if has_next:
-                other = u64(DQ_STAGE) - stage
-                put_rows(sh, other, k_lo, k_hi, tid)
-                put_rows(sh, other + u64(ROWS_TILE), v_lo, v_hi, tid)
-                put_transposed(sh, other + u64(2 * ROWS_TILE), k_lo, k_hi, tid)
+            mma_over_rows(acc, dp, sh, sb, stage, lane)
         store_rows(dq, acc, scale, b, r0, T, h, H, g, t)
 
-    # dk/dv stage: q (rows), do (rows), q (transposed), do (transposed)
-    KV_STAGE = 2 * ROWS_TILE + 2 * T_TILE
+    # dk/dv stage: q, do
+    KV_STAGE = 2 * TILE_WORDS
 
-    @cuda.jit(fastmath=True)
+    @cuda.jit(**_mma_options(MMA_MAX_REGISTERS[2]))
     def mma_dkdv_kernel(do, q, k, v, lse, di, T, S, H, KV, scale, dk, dv):
         # do, q (B*T*H*D/2,), k, v, dk, dv (B*S*KV*D/2,) words of bf16 pairs, lse, di (B, H, T) float32;
         # grid (B * KV, S / 64), 128 threads: each warp 16 keys against 64 query rows per step, over
@@ -843,73 +821,64 @@ def mma_kernels(D: int) -> FlashKernels:
         s0 = cuda.blockIdx.y * MMA_ROWS   # the first keys, seen by the most query rows, start first
         k0 = s0 + 16 * warp
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
-        row_stats = cuda.shared.array((2, 2, MMA_ROWS), float32)   # per stage: lse and Di of the query rows
+        sb = runtime.shared_base(sh)
+        row_stats = cuda.shared.array((2, 2, MMA_ROWS), float32)   # per stage: lse log2 e and Di of the query rows
         k_frag = cuda.local.array((KD, 4), uint32)
         v_frag = cuda.local.array((KD, 4), uint32)
         scores = cuda.local.array((NR, 4), float32)   # transposed: [key, query row]
         dp = cuda.local.array((NR, 4), float32)
         dk_acc = cuda.local.array((ND, 4), float32)
         dv_acc = cuda.local.array((ND, 4), float32)
-        q_lo = cuda.local.array(PAIRS, uint32)
-        q_hi = cuda.local.array(PAIRS, uint32)
-        do_lo = cuda.local.array(PAIRS, uint32)
-        do_hi = cuda.local.array(PAIRS, uint32)
         key_a, key_b = k0 + g, k0 + g + 8
+        scale2 = scale * f32(LOG2E)   # exp(scale x - lse) = exp2(scale2 x - lse log2 e)
         first_query = max(0, s0 - (S - T))   # earlier queries see none of this block's keys
         tiles = (T - first_query + MMA_ROWS - 1) // MMA_ROWS
         h0 = kv * group
-        fetch_pairs(q_lo, q_hi, q, b, first_query, T, h0, H, tid)
-        fetch_pairs(do_lo, do_hi, do, b, first_query, T, h0, H, tid)
+        fetch_tile(sh, sb, u32(0), q, b, first_query, T, h0, H, tid)
+        fetch_tile(sh, sb, u32(TILE_WORDS), do, b, first_query, T, h0, H, tid)
         if tid < MMA_ROWS:
             row = min(first_query + tid, T - 1)
-            row_stats[0, 0, tid] = lse[b, h0, row]
+            row_stats[0, 0, tid] = lse[b, h0, row] * f32(LOG2E)
             row_stats[0, 1, tid] = di[b, h0, row]
         load_fragments(k_frag, k, b, k0, S, kv, KV, g, t)
         load_fragments(v_frag, v, b, k0, S, kv, KV, g, t)
-        put_rows(sh, u64(0), q_lo, q_hi, tid)
-        put_rows(sh, u64(ROWS_TILE), do_lo, do_hi, tid)
-        put_transposed(sh, u64(2 * ROWS_TILE), q_lo, q_hi, tid)
-        put_transposed(sh, u64(2 * ROWS_TILE + T_TILE), do_lo, do_hi, tid)
         _zero(dk_acc)
         _zero(dv_acc)
         for step in range(group * tiles):
             t0 = first_query + (step % tiles) * MMA_ROWS
             parity = step % 2
-            stage = u64(parity * KV_STAGE)
+            stage = u32(parity * KV_STAGE)
+            runtime.cp_async_wait_all()
             cuda.syncthreads()
-            has_next = step + 1 < group * tiles
-            if has_next:
+            if step + 1 < group * tiles:
                 h_next = h0 + (step + 1) // tiles
                 t_next = first_query + ((step + 1) % tiles) * MMA_ROWS
-                fetch_pairs(q_lo, q_hi, q, b, t_next, T, h_next, H, tid)
-                fetch_pairs(do_lo, do_hi, do, b, t_next, T, h_next, H, tid)
+                other = u32(KV_STAGE) - stage
+                fetch_tile(sh, sb, other, q, b, t_next, T, h_next, H, tid)
+                fetch_tile(sh, sb, other + u32(TILE_WORDS), do, b, t_next, T, h_next, H, tid)
                 if tid < MMA_ROWS:
                     row = min(t_next + tid, T - 1)
-                    row_stats[1 - parity, 0, tid] = lse[b, h_next, row]
+                    row_stats[1 - parity, 0, tid] = lse[b, h_next, row] * f32(LOG2E)
                     row_stats[1 - parity, 1, tid] = di[b, h_next, row]
             _zero(scores)
             _zero(dp)
-            mma_over_dims(scores, k_frag, sh, stage, g, t)
-            mma_over_dims(dp, v_frag, sh, stage + u64(ROWS_TILE), g, t)
+            mma_over_dims(scores, k_frag, sh, sb, stage, lane)
+            mma_over_dims(dp, v_frag, sh, sb, stage + u32(TILE_WORDS), lane)
+            # the columns (query rows t0 + col) keys a and b are seen by: first_a (first_b) <= col <= last_col
+            first_a = key_a - (S - T) - t0 if key_a < S else MMA_ROWS
+            first_b = key_b - (S - T) - t0 if key_b < S else MMA_ROWS
+            last_col = T - 1 - t0
             for n in range(NR):
                 for c in range(2):
                     col = 8 * n + 2 * t + c
-                    query = t0 + col
                     row_lse, row_di = row_stats[parity, 0, col], row_stats[parity, 1, col]
-                    seen_a = query < T and key_a <= (S - T) + query and key_a < S
-                    seen_b = query < T and key_b <= (S - T) + query and key_b < S
-                    scores[n, c] = math.exp(scores[n, c] * scale - row_lse) if seen_a else f32(0.0)
-                    scores[n, c + 2] = math.exp(scores[n, c + 2] * scale - row_lse) if seen_b else f32(0.0)
+                    in_rows = col <= last_col
+                    scores[n, c] = math.exp2(scores[n, c] * scale2 - row_lse) if in_rows and col >= first_a else f32(0.0)
+                    scores[n, c + 2] = math.exp2(scores[n, c + 2] * scale2 - row_lse) if in_rows and col >= first_b else f32(0.0)
                     dp[n, c] = scores[n, c] * (dp[n, c] - row_di)
                     dp[n, c + 2] = scores[n, c + 2] * (dp[n, c + 2] - row_di)
-            mma_over_rows(dv_acc, scores, sh, stage + u64(2 * ROWS_TILE + T_TILE), g, t)
-            mma_over_rows(dk_acc, dp, sh, stage + u64(2 * ROWS_TILE), g, t)
-            if has_next:
-                other = u64(KV_STAGE) - stage
-                put_rows(sh, other, q_lo, q_hi, tid)
-                put_rows(sh, other + u64(ROWS_TILE), do_lo, do_hi, tid)
-                put_transposed(sh, other + u64(2 * ROWS_TILE), q_lo, q_hi, tid)
-                put_transposed(sh, other + u64(2 * ROWS_TILE + T_TILE), do_lo, do_hi, tid)
+            mma_over_rows(dv_acc, scores, sh, sb, stage + u32(TILE_WORDS), lane)
+            mma_over_rows(dk_acc, dp, sh, sb, stage, lane)
         store_rows(dk, dk_acc, scale, b, k0, S, kv, KV, g, t)
         store_rows(dv, dv_acc, f32(1.0), b, k0, S, kv, KV, g, t)
 

@@ -553,3 +553,112 @@ else:
             result = builder.call(asm, args)
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(result, i) for i in range(4)])
         return sig, codegen
+
+
+# ---------------------------------------------------------------- shared-memory tiles
+# Tiles move from global to shared memory by cp.async (16 bytes a thread, no registers on the way)
+# and from shared memory to mma fragments by ldmatrix. Both address word i (a uint32 index) of the
+# shared uint32 array `sh`, given also `base = shared_base(sh)`: the GPU computes the address as
+# base + 4 i in 32 bits, so a constant offset in i folds into the instruction.
+#   cp_async_16(sh, base, i, src, j, valid): sh[i:i+4] <- src[j:j+4] (zeros where not valid), in
+#       flight until cp_async_wait_all(); i and j multiples of 4 words (16-byte aligned).
+#   ldmatrix_x4(sh, base, i): four 8 x 8 bf16 matrices; lanes 8m .. 8m+7 give, as i, the first words
+#       of matrix m's rows 0..7 (four words each, 16-byte aligned). Returns register m = matrix m's
+#       word t of row g (lane = 4g + t): the B fragment layout of mma_bf16 for a matrix stored
+#       n-major (rows = n, words = k pairs).
+#   ldmatrix_x4_trans(sh, base, i): the same matrices transposed: register m = the bf16 of matrix m's
+#       rows 2t and 2t+1 at column g (low half: row 2t): the B fragment of a matrix stored k-major.
+# The simulator twins gather the warp's row addresses (simulated_lanes) and read the same words.
+
+if SIMULATOR:
+    def shared_base(sh):
+        return np.uint32(0)
+
+    def cp_async_16(sh, base, i, src, j, valid):
+        for w in range(4):
+            sh[i + w] = src[j + w] if valid else 0
+
+    def cp_async_wait_all():
+        pass
+
+    @cuda.jit(device=True)
+    def _matrix_rows(i):
+        # the row addresses the warp's lanes give, and this lane's g and t
+        rows = simulated_lanes(np.uint64(i), WARP).astype(np.uint64)
+        lane = cuda.threadIdx.x % WARP
+        return rows, lane // 4, lane % 4
+
+    @cuda.jit(device=True)
+    def ldmatrix_x4(sh, base, i):
+        rows, g, t = _matrix_rows(i)
+        return tuple(np.uint32(sh[rows[8 * m + g] + np.uint64(t)]) for m in range(4))
+
+    @cuda.jit(device=True)
+    def ldmatrix_x4_trans(sh, base, i):
+        rows, g, t = _matrix_rows(i)
+        word, shift = np.uint64(g // 2), np.uint32(16 * (g % 2))
+        out = []
+        for m in range(4):
+            lo = (np.uint32(sh[rows[8 * m + 2 * t] + word]) >> shift) & np.uint32(0xFFFF)
+            hi = (np.uint32(sh[rows[8 * m + 2 * t + 1] + word]) >> shift) & np.uint32(0xFFFF)
+            out.append(np.uint32(lo | (hi << np.uint32(16))))
+        return tuple(out)
+else:
+    def _data(context, builder, array_type, array):
+        return context.make_array(array_type)(context, builder, array).data
+
+    def _shared_word(builder, base, i):
+        # the 32-bit shared address of word i: base + 4 i
+        return builder.add(base, builder.shl(i, ir.Constant(ir.IntType(32), 2)))
+
+    @intrinsic
+    def shared_base(typingctx, sh):
+        """The 32-bit shared-window address of sh[0]."""
+        def codegen(context, builder, sig, args):
+            data = _data(context, builder, sig.args[0], args[0])
+            shared = builder.addrspacecast(data, ir.PointerType(data.type.pointee, 3))
+            return builder.ptrtoint(shared, ir.IntType(32))
+        return types.uint32(sh), codegen
+
+    @intrinsic
+    def cp_async_16(typingctx, sh, base, i, src, j, valid):
+        sig = types.void(sh, types.uint32, types.uint32, src, types.uint64, types.boolean)
+
+        def codegen(context, builder, sig, args):
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            dst = _shared_word(builder, args[1], args[2])
+            source = builder.ptrtoint(builder.gep(_data(context, builder, sig.args[3], args[3]), [args[4]]), i64)
+            size = builder.select(args[5], i32(16), i32(0))   # a source size of 0 fills zeros
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64, i32]),
+                               "{ .reg .u64 g; cvta.to.global.u64 g, $1; cp.async.cg.shared.global [$0], [g], 16, $2; }",
+                               "r,l,r,~{memory}", side_effect=True)
+            builder.call(asm, [dst, source, size])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_wait_all(typingctx):
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;", "~{memory}",
+                               side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    def _ldmatrix(trans):
+        @intrinsic
+        def load(typingctx, sh, base, i):
+            sig = types.UniTuple(types.uint32, 4)(sh, types.uint32, types.uint32)
+
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32]),
+                                   f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16"
+                                   " {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+                result = builder.call(asm, [_shared_word(builder, args[1], args[2])])
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(result, m) for m in range(4)])
+            return sig, codegen
+        return load
+
+    ldmatrix_x4 = _ldmatrix(False)
+    ldmatrix_x4_trans = _ldmatrix(True)
