@@ -166,6 +166,11 @@ class Backend:
     def available(self) -> bool:
         return True
 
+    def kernel_cache_cold(self) -> bool:
+        """Whether the kernels compile on first use into a cache on disk that lacks them now: a run
+        then has another process compile them ahead (nanoeuler_core.cli.warm)."""
+        return False
+
     # -------------------------------------------------------------------- kernels
 
     def kernels(self, op: "Op") -> Impl | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -9,7 +10,9 @@ from typing import Optional
 
 import typer
 
+from nanoeuler_core import registry
 from nanoeuler_core.cli.evaluate import hellaswag_file
+from nanoeuler_core.cli.warm import KernelWarmer
 from nanoeuler_core.eval import hellaswag
 from nanoeuler_core.inference.decode import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling, generate_batch, prompt_ids
@@ -20,6 +23,7 @@ from nanoeuler_core.training import pretrain as training
 
 DEFAULT = {f.name: f.default for f in fields(training.TrainConfig)}
 PRECISION_HELP = "fp32, tf32 or bf16 (default: bf16 on a CUDA GPU with tensor cores, fp32 on the CPU)"
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40   # the sample printed at the end of a run
 RECOMPUTE_HELP = ("activation recomputation (llm.c's -r): keep only each block's input and run its forward again "
                   "in the backward; about one block's activations instead of all of them, for one more forward pass "
                   "of the blocks; the same gradients")
@@ -61,53 +65,64 @@ def pretrain(
     """Pretrain a model; with no arguments, the `small` preset on the bundled corpus on the CPU.
 
     Under `mpiexec -n N`, N data-parallel ranks train it (one GPU each with --backend cuda)."""
-    with distributed.fail_together():
-        job = distributed.world()
-        log = rank0_log(job)
-        hellaswag_settings = {name: value for name, value in (
-            ("eval_hellaswag_every", eval_hellaswag_every), ("hellaswag_file", hellaswag_file and str(hellaswag_file)),
-            ("hellaswag_limit", hellaswag_limit)) if value is not None}
-        if resume is not None:
-            overrides = ({"precision": precision, "eager": eager}
-                         | {k: v for k, v in (("backend", backend), ("steps", steps), ("grad_accum", grad_accum),
-                                              ("zero", zero), ("recompute", recompute)) if v is not None})
-            run = training.resume_run(resume, overrides | hellaswag_settings, log)
-        else:
-            tc = training.TrainConfig(preset=preset, backend=backend or "cpu", corpus=str(corpus) if corpus else None,
-                                      tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
-                                      batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
-                                      zero=zero or 0,
-                                      lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
-                                      ckpt_every=ckpt_every, precision=precision, eager=eager,
-                                      recompute=bool(recompute), **hellaswag_settings)
-            if tc.eval_hellaswag_every:
-                hellaswag_path(tc)  # a missing file fails now, not after minutes of tokenizer training
-            run = training.start_run(out, tc, log)
-        log_run(run, log)
-        log(f"unigram baseline loss: {run.unigram_loss:.3f} nats (a model that ignores context)")
-        extra_evals = []
-        if run.config.eval_hellaswag_every:
-            extra_evals.append((run.config.eval_hellaswag_every, hellaswag.training_metrics(
-                run.tok, hellaswag_path(run.config), run.model.cfg.ctx_len, run.config.hellaswag_limit)))
-        row, interrupted = training.train(run, log, extra_evals)
-        log(distributed.memory_line(run.model, run.optimizer))
-    if interrupted:
-        raise typer.Exit(130)
-    if job.rank != 0:
-        return
-    cfg = run.model.cfg
-    if row:
-        log(f"done: step {row['step']}, train loss {row['loss']:.3f} (mean of the {cfg.n_mtp} heads), validation "
-            f"{row.get('val_loss', float('nan')):.3f}, next-token validation {row.get('val_next_token_loss', float('nan')):.3f} "
-            f"(unigram baseline {run.unigram_loss:.3f}); run saved in {run.dir}")
-        if "hellaswag_acc_norm" in row:
-            log(f"HellaSwag: acc {row['hellaswag_acc']:.1%}, acc_norm {row['hellaswag_acc_norm']:.1%} (random: 25%)")
-    log(f"plot its curves: nanoeuler-run plot {run.dir} --out {run.dir / 'curves.png'}")
-    typer.echo(f"--- sample ({sample_prompt!r}, temperature 0.8, top-k 40) ---")
-    typer.echo(sample_prompt, nl=False)
-    run.model.generate(run.tok, sample_prompt, max_new_tokens=200, temperature=0.8, top_k=40, seed=run.config.seed,
-                       on_text=stream_text)
-    typer.echo("")
+    with contextlib.ExitStack() as cleanup:
+        warmer = None
+        with distributed.fail_together():
+            job = distributed.world()
+            log = rank0_log(job)
+            hellaswag_settings = {name: value for name, value in (
+                ("eval_hellaswag_every", eval_hellaswag_every), ("hellaswag_file", hellaswag_file and str(hellaswag_file)),
+                ("hellaswag_limit", hellaswag_limit)) if value is not None}
+            if resume is not None:
+                overrides = ({"precision": precision, "eager": eager}
+                             | {k: v for k, v in (("backend", backend), ("steps", steps), ("grad_accum", grad_accum),
+                                                  ("zero", zero), ("recompute", recompute)) if v is not None})
+                run = training.resume_run(resume, overrides | hellaswag_settings, log)
+            else:
+                tc = training.TrainConfig(preset=preset, backend=backend or "cpu", corpus=str(corpus) if corpus else None,
+                                          tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
+                                          batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
+                                          zero=zero or 0,
+                                          lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
+                                          ckpt_every=ckpt_every, precision=precision, eager=eager,
+                                          recompute=bool(recompute), **hellaswag_settings)
+                if tc.eval_hellaswag_every:
+                    hellaswag_path(tc)  # a missing file fails now, not after minutes of tokenizer training
+                tc.resolve_precision()
+                if job.size == 1 and registry.backend(tc.backend).kernel_cache_cold():
+                    # a cold kernel cache compiles on a second core, while the tokenizer trains
+                    warmer = cleanup.enter_context(KernelWarmer(tc.preset, tc.backend, tc.precision, tc.recompute,
+                                                                not tc.eager, SAMPLE_TEMPERATURE, SAMPLE_TOP_K))
+                run = training.start_run(out, tc, log)
+            if warmer:
+                warmer.wait_for_step()
+            log_run(run, log)
+            log(f"unigram baseline loss: {run.unigram_loss:.3f} nats (a model that ignores context)")
+            extra_evals = []
+            if run.config.eval_hellaswag_every:
+                extra_evals.append((run.config.eval_hellaswag_every, hellaswag.training_metrics(
+                    run.tok, hellaswag_path(run.config), run.model.cfg.ctx_len, run.config.hellaswag_limit)))
+            row, interrupted = training.train(run, log, extra_evals)
+            log(distributed.memory_line(run.model, run.optimizer))
+        if interrupted:
+            raise typer.Exit(130)
+        if job.rank != 0:
+            return
+        cfg = run.model.cfg
+        if row:
+            log(f"done: step {row['step']}, train loss {row['loss']:.3f} (mean of the {cfg.n_mtp} heads), validation "
+                f"{row.get('val_loss', float('nan')):.3f}, next-token validation {row.get('val_next_token_loss', float('nan')):.3f} "
+                f"(unigram baseline {run.unigram_loss:.3f}); run saved in {run.dir}")
+            if "hellaswag_acc_norm" in row:
+                log(f"HellaSwag: acc {row['hellaswag_acc']:.1%}, acc_norm {row['hellaswag_acc_norm']:.1%} (random: 25%)")
+        log(f"plot its curves: nanoeuler-run plot {run.dir} --out {run.dir / 'curves.png'}")
+        if warmer:
+            warmer.wait_for_decoding()
+        typer.echo(f"--- sample ({sample_prompt!r}, temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}) ---")
+        typer.echo(sample_prompt, nl=False)
+        run.model.generate(run.tok, sample_prompt, max_new_tokens=200, temperature=SAMPLE_TEMPERATURE,
+                           top_k=SAMPLE_TOP_K, seed=run.config.seed, on_text=stream_text)
+        typer.echo("")
 
 
 def rank0_log(job):

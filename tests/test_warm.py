@@ -1,0 +1,56 @@
+"""Kernels compiled ahead in a second process when a run starts on a cold kernel cache
+(nanoeuler_core.cli.warm): the child runs a run's kernels and says when the step's are ready, a
+failing child never holds the run up, the CPU backend tells a cold cache, and `pretrain` with the
+child beside it trains and samples as without."""
+
+import os
+import subprocess
+import sys
+import time
+
+from typer.testing import CliRunner
+
+from nanoeuler_core.cli import app
+from nanoeuler_core.cli.warm import STEP_READY, KernelWarmer
+from nanoeuler_ops.cpu import CpuBackend
+
+
+def test_child_runs_the_step_then_decoding():
+    result = subprocess.run([sys.executable, "-m", "nanoeuler_core.cli.warm", "small", "cpu", "fp32", "0", "1", "0.8", "40"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [STEP_READY]
+
+
+def test_a_failing_child_does_not_hold_the_run_up():
+    warmer = KernelWarmer.__new__(KernelWarmer)
+    warmer.start([sys.executable, "-c", "raise SystemExit(3)"])
+    start = time.perf_counter()
+    with warmer:
+        warmer.wait_for_step()
+        warmer.wait_for_decoding()
+    assert time.perf_counter() - start < 30
+    assert warmer.process.returncode == 3
+
+
+def test_cpu_backend_tells_a_cold_cache(tmp_path):
+    check = "from nanoeuler_ops.cpu import BACKEND; print(BACKEND.kernel_cache_cold())"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)})
+    assert result.stdout.strip() == "True", result.stderr
+
+
+def test_pretrain_with_the_child_beside_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(CpuBackend, "kernel_cache_cold", lambda self: True)
+    started, start = [], KernelWarmer.start
+
+    def recorded(self, command):
+        started.append(command)
+        start(self, command)
+
+    monkeypatch.setattr(KernelWarmer, "start", recorded)
+    result = CliRunner().invoke(app, ["pretrain", "--steps", "2", "--eval-every", "1", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    assert len(started) == 1 and started[0][-7:] == ["small", "cpu", "fp32", "0", "1", "0.8", "40"]
+    assert "--- sample" in result.output and (tmp_path / "run" / "model.safetensors").exists()
+
