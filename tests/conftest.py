@@ -1,6 +1,6 @@
 """Test setup: without a CUDA driver, run the CUDA backend on Numba's CUDA simulator, so the
 registry-driven checks compare cpu and cuda everywhere (CI included). This must happen before
-anything imports numba, hence here."""
+anything imports numba, hence here. Runs do not compile their kernels ahead in a second process."""
 
 import ctypes.util
 import glob
@@ -16,6 +16,9 @@ def _cuda_driver_present() -> bool:
 
 if not _cuda_driver_present():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+# The test processes already keep every core busy: runs do not compile ahead in a second process
+# (tests/test_warm.py turns it on where it tests it)
+os.environ.setdefault("NANOEULER_COMPILE_AHEAD", "0")
 
 
 def _simulator_polls_politely() -> None:

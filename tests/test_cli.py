@@ -51,18 +51,19 @@ def test_bench_times_training_and_decoding():
     assert train.returncode == 0, train.stderr
     assert "tokens/s" in train.stdout
     decode = run("bench", "--generate", "--preset", "small", "--prompt-tokens", "4", "--new-tokens", "8",
-                 "--steps", "1", "--no-peers")
+                 "--prefill-tokens", "32", "--steps", "1", "--no-peers")
     assert decode.returncode == 0, decode.stderr
     rows = {line.split("  ")[0]: line.split() for line in decode.stdout.splitlines() if line.startswith("nanoeuler")}
     assert set(rows) == {"nanoeuler plain", "nanoeuler speculative", "nanoeuler default"}
     assert all(row[-1] == "8/8" for row in rows.values())  # greedy: the same tokens whatever the mode
     assert "speculative: fp32 weights" in decode.stdout and "default: fp32 weights" in decode.stdout
+    assert "prefill, 32-token prompt x 1: nanoeuler plain " in decode.stdout
 
 
 def test_bench_errors_are_one_line(tmp_path):
     cases = [(("--generate", "--precision", "bf16"), "use fp32 weights"),
              (("--generate", "--run", str(tmp_path)), "is not a nanoeuler run directory"),
-             (("--generate", "--new-tokens", "0"), "positive --prompt-tokens and --new-tokens"),
+             (("--generate", "--new-tokens", "0"), "positive --prompt-tokens, --new-tokens and --prefill-tokens"),
              (("--steps", "0",), "positive --steps")]
     for args, message in cases:
         result = run("bench", *args)

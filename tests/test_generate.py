@@ -165,6 +165,18 @@ def test_policy_runs_the_faster_mode(cycle_model, wide_seconds, speculates):
     assert ("proposals accepted" if speculates else "plain decoding") in stats.line()
 
 
+def test_policy_takes_a_wider_step_only_past_the_margin(cycle_model):
+    """Measured times carry noise: a wider step must promise SPECULATION_MARGIN more tokens per
+    second than a plain one. With proposal 1 kept once in 101 offers, a width-2 step timed 2% faster
+    than plain gains 3% (plain is kept); one timed 10% faster gains 12% (it is taken)."""
+    decoder = Decoder(cycle_model, 1, None, Sampling(0.0))
+    decoder.offered[:], decoder.kept[:] = 100, 0
+    decoder.step_seconds = {(1, 1): 1.0, (1, 2): 0.98, (1, 3): 1.5}
+    assert decoder.choose_width(1) == 1
+    decoder.step_seconds = {(1, 1): 1.0, (1, 2): 0.9, (1, 3): 1.5}
+    assert decoder.choose_width(1) == 2
+
+
 def test_policy_measures_and_switches_widths_exactly(cycle_model):
     """Whatever widths the steps take, one after another (proposals laid out again, some stale),
     greedy tokens are plain decoding's; a greedy call measures every width first."""

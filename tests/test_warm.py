@@ -1,7 +1,8 @@
 """Kernels compiled ahead in a second process when a run starts on a cold kernel cache
 (nanoeuler_core.cli.warm): the child runs a run's kernels and says when the step's are ready, a
-failing child never holds the run up, the CPU backend tells a cold cache, and `pretrain` with the
-child beside it trains and samples as without."""
+failing child never holds the run up, the CPU backend tells a cold cache, a run compiles ahead only
+with a second core and unless switched off, and `pretrain` with the child beside it trains and
+samples as without."""
 
 import os
 import subprocess
@@ -10,7 +11,7 @@ import time
 
 from typer.testing import CliRunner
 
-from nanoeuler_core.cli import app
+from nanoeuler_core.cli import app, warm
 from nanoeuler_core.cli.warm import STEP_READY, KernelWarmer
 from nanoeuler_ops.cpu import CpuBackend
 
@@ -40,7 +41,20 @@ def test_cpu_backend_tells_a_cold_cache(tmp_path):
     assert result.stdout.strip() == "True", result.stderr
 
 
+def test_compile_ahead_needs_two_cores_and_no_switch_off(monkeypatch):
+    monkeypatch.setenv(warm.SWITCH, "1")
+    monkeypatch.setattr(warm.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert warm.wanted()
+    monkeypatch.setattr(warm.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert not warm.wanted()
+    monkeypatch.setattr(warm.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setenv(warm.SWITCH, "0")
+    assert not warm.wanted()
+
+
 def test_pretrain_with_the_child_beside_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(warm.SWITCH, "1")
+    monkeypatch.setattr(warm, "wanted", lambda: True)   # whatever cores this machine has
     monkeypatch.setattr(CpuBackend, "kernel_cache_cold", lambda self: True)
     started, start = [], KernelWarmer.start
 

@@ -9,7 +9,9 @@ default bf16 where the backend runs it), accumulating in float32; PyTorch is flo
 Greedy by default, on one CPU thread for both engines on a CPU,
 the same prompt for every row. A run is a full generation (prefill + new tokens) of `tokens` new
 tokens per row; tokens/s is rows x tokens over its wall time, the median of `repeats` runs after
-one warm-up (compilation, graph capture, and the policy's step timings). The speculative speed-up
+one warm-up (compilation, graph capture, and the policy's step timings). Prefill is timed apart, on
+a longer prompt of `prefill` tokens per row: a generation of one token (nanoeuler plain) and the
+prefill call (PyTorch), rows x prompt tokens over the median time. The speculative speed-up
 needs trained weights (a random model's heads agree with nothing): pass a run directory.
 """
 
@@ -52,7 +54,7 @@ def bench_prompt(cfg, tok, length: int) -> list[int]:
 
 
 def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, temperature, speculative,
-                     weights) -> dict:
+                     weights, prefill=0) -> dict:
     from nanoeuler_core.inference.decode import DecodeStats, Sampling, decoder_for
 
     model, tok = load_weights(preset, run, backend)
@@ -60,18 +62,32 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
     decoder = decoder_for(model, batch_size, speculative, Sampling(temperature), weights)
     seeds = list(range(batch_size))
     out = decoder.generate([ids] * batch_size, tokens, seeds)   # warm-up: compilation, graph capture
-    times, stats = [], DecodeStats()
-    for _ in range(repeats):
-        t = time.perf_counter()
-        decoder.generate([ids] * batch_size, tokens, seeds, stats=stats)
-        times.append(time.perf_counter() - t)
+    stats = DecodeStats()
+    times = _timed(lambda: decoder.generate([ids] * batch_size, tokens, seeds, stats=stats), repeats)
+    prefill_s = None
+    if prefill:   # one new token: the prefill and the first token
+        long = [bench_prompt(model.cfg, tok, prefill)] * batch_size
+        decoder.generate(long, 1, seeds)
+        prefill_s = statistics.median(_timed(lambda: decoder.generate(long, 1, seeds), repeats))
     return {"median_s": statistics.median(times), "memory_mb": memory_mb(model.backend), "tokens": out[0],
             "acceptance": stats.acceptance, "per_step": stats.tokens_per_step, "mode": stats.mode,
             "speculative_steps": stats.speculative_steps / stats.steps if stats.steps else 0.0,
-            "weights": stats.weights}
+            "weights": stats.weights, "prefill_s": prefill_s}
 
 
-def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, compile) -> dict:
+def _timed(fn, repeats: int, sync=lambda: None) -> list[float]:
+    """Wall seconds of each of `repeats` calls of fn."""
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, compile, prefill=0) -> dict:
     import torch
 
     from nanoeuler_core import registry
@@ -86,7 +102,8 @@ def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, comp
     model, tok = load_weights(preset, run, "cpu")
     ids = bench_prompt(model.cfg, tok, prompt)
     peer = TorchModel(model.cfg, device=device).load(model.params).to(device)
-    peer.setup_cache(batch_size, len(ids) + tokens)
+    long = bench_prompt(model.cfg, tok, prefill) if prefill else []
+    peer.setup_cache(batch_size, max(len(ids) + tokens, len(long)))
     step = torch.compile(peer.next_token, mode="reduce-overhead", fullgraph=True) if compile else peer.next_token
 
     @torch.no_grad()
@@ -106,15 +123,17 @@ def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, comp
 
     generate_greedy()
     first = generate_greedy()   # a second warm-up: CUDA graphs are recorded on a later call
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        generate_greedy()
-        sync()
-        times.append(time.perf_counter() - t)
+    times = _timed(generate_greedy, repeats, sync)
+    prefill_s = None
+    if long:
+        @torch.no_grad()
+        def prefill_once():
+            peer.next_token(torch.tensor([long] * batch_size, device=device), torch.arange(len(long), device=device))
+
+        prefill_once()
+        prefill_s = statistics.median(_timed(prefill_once, repeats, sync))
     return {"median_s": statistics.median(times), "memory_mb": torch_peer.memory_mb(device), "tokens": first[0].tolist(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "prefill_s": prefill_s}
 
 
 def _agreement(tokens: list[int], reference: list[int]) -> str:
@@ -129,7 +148,7 @@ def _agreement(tokens: list[int], reference: list[int]) -> str:
 
 def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None, batch_size: int = 1,
         prompt: int = 16, tokens: int = 256, repeats: int = 3, temperature: float = 0.0, peers: bool = True,
-        weights: str | None = None, echo=print) -> dict:
+        weights: str | None = None, prefill: int = 512, echo=print) -> dict:
     """Measure every engine, print a table, return the numbers."""
     from nanoeuler_core import ModelConfig, registry
 
@@ -143,6 +162,9 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
     if prompt + tokens > cfg.ctx_len:
         tokens = cfg.ctx_len - prompt
         echo(f"(new tokens capped at {tokens}: the prompt and the new tokens fit the context of {cfg.ctx_len})")
+    if prefill > cfg.ctx_len - 1:
+        prefill = cfg.ctx_len - 1
+        echo(f"(prefill prompt capped at {prefill} tokens: it and one new token fit the context of {cfg.ctx_len})")
     machine = be.device_name()
     source = f"weights of {run_dir}" if run_dir else "random weights (seed 0)"
     mode = "greedy" if temperature == 0 else f"temperature {temperature}"
@@ -153,14 +175,16 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
     rows = {}
     for speculative, name in ((False, "nanoeuler plain"), (True, "nanoeuler speculative"), (None, "nanoeuler default")):
         rows[name] = _run_worker({**common, "engine": "nanoeuler", "temperature": temperature,
-                                  "speculative": speculative, "weights": weights}, MODULE)
+                                  "speculative": speculative, "weights": weights,
+                                  "prefill": prefill if speculative is False else 0}, MODULE)
     if peers and temperature == 0:
         try:
             import torch  # noqa: F401  (only to know whether the peers can run)
         except ImportError:
             echo("torch is not installed: no peer comparison (pip install 'nanoeuler[bench]')")
         else:
-            rows["torch eager, KV cache"] = _run_worker({**common, "engine": "torch", "compile": False}, MODULE)
+            rows["torch eager, KV cache"] = _run_worker({**common, "engine": "torch", "compile": False,
+                                                         "prefill": prefill}, MODULE)
             if be.peer_device != "cpu":   # CUDA graphs: a GPU peer only
                 rows["torch compile, static cache + CUDA graphs"] = _run_worker(
                     {**common, "engine": "torch", "compile": True}, MODULE)
@@ -180,6 +204,11 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
         if r:
             echo(f"{name.removeprefix('nanoeuler ')}: {r['weights']} weights, {r['mode']} ({r['speculative_steps']:.0%} of steps speculative), "
                  f"{r['acceptance']:.1%} of proposals accepted, {r['per_step']:.2f} tokens per row and step")
+    for name, r in rows.items():
+        if r is not None and r.get("prefill_s"):
+            r["prefill_tokens_per_s"] = batch_size * prefill / r["prefill_s"]
+            echo(f"prefill, {prefill}-token prompt x {batch_size}: {name.removesuffix(', KV cache')} "
+                 f"{r['prefill_tokens_per_s']:.0f} tokens/s ({r['prefill_s'] * 1e3:.1f} ms)")
     best = max((r["tokens_per_s"] for n, r in rows.items() if r and n.startswith("nanoeuler")), default=0.0)
     for name, r in rows.items():
         if r is not None and name.startswith("torch"):

@@ -147,6 +147,8 @@ def bench(
                                                   "with (default: random weights of --preset)"),
     prompt_tokens: int = typer.Option(16, help="with --generate: prompt length in tokens"),
     new_tokens: int = typer.Option(256, help="with --generate: new tokens per row (capped to fit the context)"),
+    prefill_tokens: int = typer.Option(512, help="with --generate: the prompt whose prefill is timed (capped to fit "
+                                                 "the context)"),
     temperature: float = typer.Option(0.0, help="with --generate: 0 = greedy (the PyTorch peers run only then)"),
 ) -> None:
     """Training (or, with --generate, decoding) tokens/s and peak memory, against PyTorch on the same machine."""
@@ -165,12 +167,13 @@ def bench(
         if precision not in (None, "fp32", "bf16"):
             raise ValueError("decoding reads bf16 or fp32 weights: pass --precision bf16 or fp32 with --generate")
         check_weights(backend, precision)
-        if prompt_tokens < 1 or new_tokens < 1 or temperature < 0:
-            raise ValueError("bench --generate needs positive --prompt-tokens and --new-tokens, and --temperature >= 0")
+        if prompt_tokens < 1 or new_tokens < 1 or prefill_tokens < 1 or temperature < 0:
+            raise ValueError("bench --generate needs positive --prompt-tokens, --new-tokens and --prefill-tokens, "
+                             "and --temperature >= 0")
         if run is not None and not (run / "config.json").is_file():
             raise ValueError(f"{run} is not a nanoeuler run directory (no config.json)")
         generation.run(preset, backend, str(run) if run else None, batch_size, prompt_tokens, new_tokens, steps,
-                       temperature, peers, precision, echo=typer.echo)
+                       temperature, peers, precision, prefill_tokens, echo=typer.echo)
         return
     from nanoeuler_core.bench import training as benchmark
 

@@ -11,8 +11,8 @@ from typing import Optional
 import typer
 
 from nanoeuler_core import registry
+from nanoeuler_core.cli import warm
 from nanoeuler_core.cli.evaluate import hellaswag_file
-from nanoeuler_core.cli.warm import KernelWarmer
 from nanoeuler_core.eval import hellaswag
 from nanoeuler_core.inference.decode import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling, generate_batch, prompt_ids
@@ -89,9 +89,9 @@ def pretrain(
                 if tc.eval_hellaswag_every:
                     hellaswag_path(tc)  # a missing file fails now, not after minutes of tokenizer training
                 tc.resolve_precision()
-                if job.size == 1 and registry.backend(tc.backend).kernel_cache_cold():
+                if job.size == 1 and warm.wanted() and registry.backend(tc.backend).kernel_cache_cold():
                     # a cold kernel cache compiles on a second core, while the tokenizer trains
-                    warmer = cleanup.enter_context(KernelWarmer(tc.preset, tc.backend, tc.precision, tc.recompute,
+                    warmer = cleanup.enter_context(warm.KernelWarmer(tc.preset, tc.backend, tc.precision, tc.recompute,
                                                                 not tc.eager, SAMPLE_TEMPERATURE, SAMPLE_TOP_K))
                 run = training.start_run(out, tc, log)
             if warmer:

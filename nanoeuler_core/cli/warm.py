@@ -7,7 +7,8 @@ core the first time a run starts on a machine: most of a small run's first half-
 (the training step and validation first, then decoding with the run's sampling), so that they
 compile on another core while the run trains its tokenizer. The run waits for the child before
 its first step and before its sample (the child is then compiling what the run would compile
-next) and carries on alone if the child fails. On a warm cache the child only loads the kernels.
+next) and carries on alone if the child fails. It is started only on a cold cache, with a second
+core to run on, and unless NANOEULER_COMPILE_AHEAD=0.
 
     python -m nanoeuler_core.cli.warm PRESET BACKEND PRECISION RECOMPUTE CAPTURE TEMPERATURE TOP_K
 """
@@ -15,6 +16,7 @@ next) and carries on alone if the child fails. On a warm cache the child only lo
 from __future__ import annotations
 
 import dataclasses
+import os
 import selectors
 import subprocess
 import sys
@@ -23,6 +25,13 @@ import numpy as np
 
 STEP_READY = "step kernels ready"
 WAIT_SECONDS = 600   # the longest the run waits for the child at each point (a cold cache takes ~20 s)
+SWITCH = "NANOEULER_COMPILE_AHEAD"   # 0: never start the child
+
+
+def wanted() -> bool:
+    """Whether a run may compile ahead: a second core to do it on, and NANOEULER_COMPILE_AHEAD not 0."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return os.environ.get(SWITCH, "1") != "0" and cores > 1
 
 
 class KernelWarmer:

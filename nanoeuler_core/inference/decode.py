@@ -26,8 +26,10 @@ width before the step (two small copies), and proposals a narrower step never dr
 
 The policy (speculative=None, the default where the model has K > 1 heads). Each step, over the n
 rows it computes, it runs the width W in 1..K with the most expected tokens per second,
-(1 + expected proposals kept) / t(n, W): t(n, W) is the measured time of a step of width W over n
-rows (`measure`, run by `warm_up` and by a greedy `generate` call; or told, in `step_seconds`), and
+(1 + expected proposals kept) / t(n, W), where that beats plain decoding's (W = 1) by
+SPECULATION_MARGIN: t(n, W) is the measured time of a step of width W over n rows (`measure`, the
+fastest of a few interleaved rounds, run by `warm_up` and by a greedy `generate` call; or told, in
+`step_seconds`), and
 proposal j's acceptance is the running rate at which it was kept when the j - 1 before it were
 (counted over the decoder's life, from an optimistic start of 1 in 1, so that a new decoder tries
 speculation before it has seen any). Greedy rows give the same tokens whatever the widths (a
@@ -74,6 +76,7 @@ V = vocab_size.
 from __future__ import annotations
 
 import functools
+import math
 import time
 import weakref
 from dataclasses import dataclass
@@ -87,6 +90,8 @@ DECODE_OPS = ("embedding", "norm_linear", "decode_attention", "linear_residual",
 WEIGHT_OPS = ("norm_linear", "linear_residual", "norm_swiglu")   # the decoding ops that read bf16 weights
 MAX_SEED = 2**62          # row seeds live in [0, MAX_SEED) (the sample op's RNG key)
 DECODERS_PER_MODEL = 4    # decoders (KV caches, captured graphs) kept per model for later calls
+SPECULATION_MARGIN = 1.05   # a wider step must promise this much more than plain's tokens per second
+                            # (its time and plain's are measured, with some noise) for the policy to take it
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,7 @@ class Decoder:
         # j - 1 before it kept) and kept, at offered[j - 1] and kept[j - 1]
         self.steps = self.speculative_steps = self.row_steps = self.proposed = self.accepted = 0
         self.offered, self.kept = np.zeros(K - 1, dtype=np.int64), np.zeros(K - 1, dtype=np.int64)
+        self._widths: dict = {}   # (rows, step times) -> the policy's width, for the acceptance so far
 
     def _check_memory(self) -> None:
         """A clear error, before allocating, for a batch whose cache and buffers cannot fit in the
@@ -335,25 +341,38 @@ class Decoder:
         seconds = [self.step_seconds.get((n, W)) for W in range(1, self.K + 1)]
         if not self.policy or not self.greedy[[row.b for row in self.active_rows()]].all() or None in seconds:
             return self.fixed_width()
-        return 1 + int(np.argmax(self.expected_tokens() / np.array(seconds)))
+        key = (n, tuple(seconds))
+        if key not in self._widths:   # decided again only when the acceptance or the timings change
+            rates = self.expected_tokens() / np.array(seconds)   # tokens per second of each width
+            best = int(np.argmax(rates))
+            self._widths[key] = 1 + best if rates[best] > SPECULATION_MARGIN * rates[0] else 1
+        return self._widths[key]
 
-    def measure(self, repeats: int = 3) -> None:
+    def measure(self, repeats: int = 3, rounds: int = 5) -> None:
         """Time a step of every width over every row count `step` may use (capturing it first), with the
-        rows at half the context, into `step_seconds`. Every row must be free (it decodes dummy rows)."""
+        rows at half the context, into `step_seconds`: the fastest of `rounds` rounds that each time
+        every width in turn, `repeats` steps each, so that a stall or a clock still rising falls on no
+        width in particular. Every row must be free (it decodes dummy rows)."""
         if self.free_rows() != list(range(self.batch)):
             raise ValueError("a decoder measures its steps with every row free: retire the rows first")
         be, B = self.be, self.batch
         be.copy_(self.temperature, np.zeros(B))
         for n in self._row_counts():
-            for W in range(1, self.K + 1):
+            for W in range(1, self.K + 1):   # captured (or compiled) before any is timed
                 self._set_width(W)
                 be.copy_(self.pos, np.full(B, self.cfg.ctx_len // 2))
                 self._advance(n, W)
-                be.synchronize()
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    self._advance(n, W)
-                self.step_seconds[(n, W)] = (time.perf_counter() - start) / repeats
+            fastest = {}
+            for _ in range(rounds):
+                for W in range(1, self.K + 1):
+                    self._set_width(W)
+                    be.copy_(self.pos, np.full(B, self.cfg.ctx_len // 2))
+                    be.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(repeats):
+                        self._advance(n, W)
+                    fastest[W] = min(fastest.get(W, math.inf), (time.perf_counter() - start) / repeats)
+            self.step_seconds |= {(n, W): seconds for W, seconds in fastest.items()}
         be.copy_(self.pos, np.full(B, self.S))   # free rows again: outside the cache
 
     def _row_counts(self) -> list[int]:
@@ -420,6 +439,8 @@ class Decoder:
             row.position += m
             row.keep(np.concatenate((self._pending[row.b, 1:m], tokens[row.b, :1])))
         self._pending[:n, :W] = tokens
+        if fresh > 0:   # the acceptance changed: the policy decides again
+            self._widths.clear()
 
     def retire(self, b: int) -> "Row":
         """Free row b, done or not (its tokens so far stay in the returned Row)."""
