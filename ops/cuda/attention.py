@@ -31,7 +31,7 @@ from functools import cache
 from typing import Callable, NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from nanoeuler_ops.attention import check_shapes
 from nanoeuler_ops.cuda import runtime
@@ -547,9 +547,10 @@ MMA_WARPS = MMA_ROWS // 16
 MMA_THREADS = MMA_WARPS * runtime.WARP
 MMA_PAD = 4                        # words of padding per shared row
 # The most registers a thread of the forward, dq and dk/dv kernels may take (None: no cap). A cap
-# lets more blocks share a multiprocessor, at the price of spills or fewer loads in flight; on an
-# H100 128 spilled and 168 gained nothing (bench/probe_mma_registers.sh, bench/RESULTS.md)
-MMA_MAX_REGISTERS = (None, None, None)
+# lets more blocks share a multiprocessor, at the price of spills or fewer loads in flight: on an
+# H100 the forward's 128 (from 134) runs 4 blocks a multiprocessor instead of 3 and 7% faster; the
+# backward kernels spill under 128 or 168 (bench/probe_mma_registers.sh, bench/RESULTS.md)
+MMA_MAX_REGISTERS = (128, None, None)
 
 
 def _mma_options(max_registers) -> dict:
@@ -573,8 +574,10 @@ def mma_kernels(D: int) -> FlashKernels:
     ND = D // 8                    # n-tiles of an output over the head dims
     NR = MMA_ROWS // 8             # n-tiles of a score tile (8 columns each)
     KR = MMA_ROWS // 16            # k-steps of a product over a tile's 64 rows
-    CHUNKS = MMA_ROWS * W // 4 // MMA_THREADS   # 16-byte chunks a thread copies per tile
-    u32, f32, u64 = uint32, float32, uint64
+    CHUNKS_PER_ROW = W // 4        # 16-byte chunks of a tile's row
+    COPY_ROWS = MMA_THREADS // CHUNKS_PER_ROW   # rows of a tile the block's threads copy at once
+    CHUNKS = -(-MMA_ROWS // COPY_ROWS)          # 16-byte chunks a thread copies per tile
+    u32, i32, f32, u64 = uint32, int32, float32, uint64
 
     # Tensors arrive flat: word w of row `row` of head `head` in batch b sits at
     # ((b * n_rows + row) * heads + head) * W + w. Unsigned indices skip the negative-index wraparound.
@@ -583,17 +586,45 @@ def mma_kernels(D: int) -> FlashKernels:
     # step. A tile is addressed as sh[base + index], base its offset in the buffer.
 
     @cuda.jit(device=True, inline=True)
-    def fetch_tile(sh, sb, base, src, b, row0, n_rows, head, heads, tid):
-        # start copying rows row0 .. row0 + 63 of (b, head) to sh[base + r WS + w]; zeros past the last row
-        # (sb = shared_base(sh))
-        start = u64((b * n_rows) * heads + head) * u64(W)
-        stride = u64(heads * W)
-        last = u64(n_rows - 1)
+    def block_head(heads):
+        # the batch row and head of this block (grid x = B * heads), by 32-bit division: a 64-bit one
+        # is a subroutine call
+        bh, n = u32(cuda.blockIdx.x), u32(heads)
+        b = bh // n
+        return b, bh - b * n
+
+    @cuda.jit(device=True, inline=True)
+    def rows_of(b, n_rows, head, heads):
+        # where rows of (b, head) start in a flat tensor, and the words from one row to the next
+        return u64((b * n_rows) * heads + head) * u64(W), u64(heads * W)
+
+    @cuda.jit(device=True, inline=True)
+    def copy_plan(stride, tid):
+        # the first 16-byte chunk this thread copies of every tile: its row, and its offsets in the
+        # tile in shared memory and in global memory (rows `stride` words apart); its next chunks
+        # lie COPY_ROWS rows further each. Worked out once per kernel.
+        row, col = u32(tid) // u32(CHUNKS_PER_ROW), u32(4) * (u32(tid) % u32(CHUNKS_PER_ROW))
+        return i32(row), row * u32(WS) + col, u64(row) * stride + u64(col)
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_tiles(sh, sb, base, x, y, start, stride, plan, row0, n_rows, pair=True):
+        # start copying rows row0 .. row0 + 63 of x to sh[base + r WS + w], and (with pair) of y to the
+        # tile after it (x and y laid out alike: rows from `start`, `stride` words apart); zeros from
+        # row n_rows on
+        plan_row, plan_at, plan_offset = plan
+        tile = start + u64(row0) * stride + plan_offset
+        rows_left = i32(n_rows - row0) - plan_row
         for n in range(CHUNKS):
-            i = u32(tid + n * MMA_THREADS)
-            r, c = i // u32(W // 4), u32(4) * (i % u32(W // 4))
-            row = u64(row0) + u64(r)
-            runtime.cp_async_16(sh, sb, base + r * u32(WS) + c, src, start + min(row, last) * stride + u64(c), row <= last)
+            # (threads past a whole number of rows, and rows past the tile, copy nothing; neither
+            # occurs where a row's chunks divide the block's threads)
+            if (COPY_ROWS * CHUNKS_PER_ROW == MMA_THREADS or plan_row < COPY_ROWS) and \
+                    ((n + 1) * COPY_ROWS <= MMA_ROWS or plan_row + n * COPY_ROWS < MMA_ROWS):
+                valid = i32(n * COPY_ROWS) < rows_left
+                j = tile + u64(n * COPY_ROWS) * stride if valid else start   # an address in bounds either way
+                at = base + plan_at + u32(n * COPY_ROWS * WS)
+                runtime.cp_async_16(sh, sb, at, x, j, valid)
+                if pair:
+                    runtime.cp_async_16(sh, sb, at + u32(TILE_WORDS), y, j, valid)
 
     @cuda.jit(device=True, inline=True)
     def load_fragments(frag, src, b, r0, n_rows, head, heads, g, t):
@@ -609,6 +640,15 @@ def mma_kernels(D: int) -> FlashKernels:
                 c = src[base + min(rb, last) * stride + w]
                 frag[kc, 2 * half] = a if ra <= last else u32(0)
                 frag[kc, 2 * half + 1] = c if rb <= last else u32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def shared_fragments(frag, sh, sb, base, warp, lane):
+        # the A fragments of the warp's 16 rows of the tile at sh[base] over the head dims, by ldmatrix:
+        # lanes 0..15 address rows 0..15 at word 8 kc, lanes 16..31 the same rows 4 words on
+        lane_base = base + u32((16 * warp + lane % 16) * WS + 4 * (lane // 16))
+        for kc in range(KD):
+            a = runtime.ldmatrix_x4(sh, sb, lane_base + u32(8 * kc))
+            frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3] = a[0], a[1], a[2], a[3]
 
     @cuda.jit(device=True, inline=True)
     def store_rows(dst, acc, scale, b, r0, n_rows, head, heads, g, t):
@@ -655,6 +695,19 @@ def mma_kernels(D: int) -> FlashKernels:
                 mma(acc, dn, a0, a1, a2, a3, b[0], b[1])
                 mma(acc, dn + 1, a0, a1, a2, a3, b[2], b[3])
 
+    @cuda.jit(device=True, inline=True)
+    def mask_outside(scores, first_a, last_a, first_b, last_b):
+        # scores of the columns outside first_a .. last_a (rows g) and first_b .. last_b (rows g + 8)
+        # <- MASKED, columns counted from this lane's first (2t); int32 bounds keep the compares 32-bit.
+        # Only tiles that cross the causal diagonal or the last row take it.
+        for n in range(NR):
+            for c in range(2):
+                col = 8 * n + c
+                if col < first_a or col > last_a:
+                    scores[n, c] = f32(MASKED)
+                if col < first_b or col > last_b:
+                    scores[n, c + 2] = f32(MASKED)
+
     # forward stage: k, v
     FWD_STAGE = 2 * TILE_WORDS
 
@@ -662,8 +715,8 @@ def mma_kernels(D: int) -> FlashKernels:
     def mma_forward_kernel(q, k, v, T, S, H, KV, scale, o, lse):
         # q, o (B*T*H*D/2,) and k, v (B*S*KV*D/2,) words of bf16 pairs, lse (B, H, T) float32;
         # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step
-        b, h = cuda.blockIdx.x // H, cuda.blockIdx.x % H
-        kv = h // (H // KV)
+        b, h = block_head(H)
+        kv = h // (u32(H) // u32(KV))
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
@@ -674,32 +727,35 @@ def mma_kernels(D: int) -> FlashKernels:
         q_frag = cuda.local.array((KD, 4), uint32)
         scores = cuda.local.array((NR, 4), float32)
         acc = cuda.local.array((ND, 4), float32)
-        fetch_tile(sh, sb, u32(0), k, b, 0, S, kv, KV, tid)
-        fetch_tile(sh, sb, u32(TILE_WORDS), v, b, 0, S, kv, KV, tid)
-        load_fragments(q_frag, q, b, r0, T, h, H, g, t)
+        kv_start, kv_stride = rows_of(b, S, kv, KV)
+        plan = copy_plan(kv_stride, tid)
+        fetch_tiles(sh, sb, u32(0), k, v, kv_start, kv_stride, plan, 0, S)
+        # the block's query rows pass through the second stage, free until the loop's first prefetch
+        q_start, q_stride = rows_of(b, T, h, H)
+        fetch_tiles(sh, sb, u32(FWD_STAGE), q, q, q_start, q_stride, copy_plan(q_stride, tid), t0, T, False)
+        runtime.cp_async_wait_all()
+        cuda.syncthreads()
+        shared_fragments(q_frag, sh, sb, u32(FWD_STAGE), warp, lane)
         _zero(acc)
         scale2 = scale * f32(LOG2E)                 # exp(scale x) = exp2(scale2 x): one multiply-add and ex2
         top_a, top_b = f32(MASKED), f32(MASKED)     # running max of rows g and g + 8 (unscaled scores)
         sum_a, sum_b = f32(0.0), f32(0.0)           # this lane's share of their running sums
         last_a, last_b = min((S - T) + r0 + g, S - 1), min((S - T) + r0 + g + 8, S - 1)   # the last key each row sees
-        keys_end = min(S, (S - T) + t0 + MMA_ROWS)
+        diagonal = (S - T) + t0                     # the last key the block's first row sees
+        keys_end = min(S, diagonal + MMA_ROWS)
         for s0 in range(0, keys_end, MMA_ROWS):
-            stage = u32((s0 // MMA_ROWS) % 2 * FWD_STAGE)
+            stage = u32(u32(s0) // u32(MMA_ROWS) % u32(2) * u32(FWD_STAGE))
             runtime.cp_async_wait_all()
             cuda.syncthreads()   # this stage has landed; every warp is done reading the other one
             if s0 + MMA_ROWS < keys_end:
-                other = u32(FWD_STAGE) - stage
-                fetch_tile(sh, sb, other, k, b, s0 + MMA_ROWS, S, kv, KV, tid)
-                fetch_tile(sh, sb, other + u32(TILE_WORDS), v, b, s0 + MMA_ROWS, S, kv, KV, tid)
+                fetch_tiles(sh, sb, u32(FWD_STAGE) - stage, k, v, kv_start, kv_stride, plan, s0 + MMA_ROWS, S)
             _zero(scores)
             mma_over_dims(scores, q_frag, sh, sb, stage, lane)
+            if s0 + MMA_ROWS - 1 > diagonal:
+                mask_outside(scores, i32(-1), i32(last_a - s0 - 2 * t), i32(-1), i32(last_b - s0 - 2 * t))
             tile_a, tile_b = f32(MASKED), f32(MASKED)
-            seen_a, seen_b = last_a - s0, last_b - s0   # the last column each row sees
             for n in range(NR):
                 for c in range(2):
-                    col = 8 * n + 2 * t + c
-                    scores[n, c] = scores[n, c] if col <= seen_a else f32(MASKED)
-                    scores[n, c + 2] = scores[n, c + 2] if col <= seen_b else f32(MASKED)
                     tile_a = max(tile_a, scores[n, c])
                     tile_b = max(tile_b, scores[n, c + 2])
             new_a, new_b = max(top_a, quad_max(tile_a)), max(top_b, quad_max(tile_b))
@@ -741,8 +797,8 @@ def mma_kernels(D: int) -> FlashKernels:
         # do, q, o, dq (B*T*H*D/2,) and k, v (B*S*KV*D/2,) words of bf16 pairs, lse, di (B, H, T) float32;
         # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step.
         # Di = rowsum(do * o), the FlashAttention-2 backward's correction, is written for the dk/dv kernel.
-        b, h = cuda.blockIdx.x // H, cuda.blockIdx.x % H
-        kv = h // (H // KV)
+        b, h = block_head(H)
+        kv = h // (u32(H) // u32(KV))
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
@@ -755,8 +811,9 @@ def mma_kernels(D: int) -> FlashKernels:
         scores = cuda.local.array((NR, 4), float32)
         dp = cuda.local.array((NR, 4), float32)
         acc = cuda.local.array((ND, 4), float32)
-        fetch_tile(sh, sb, u32(0), k, b, 0, S, kv, KV, tid)
-        fetch_tile(sh, sb, u32(TILE_WORDS), v, b, 0, S, kv, KV, tid)
+        kv_start, kv_stride = rows_of(b, S, kv, KV)
+        plan = copy_plan(kv_stride, tid)
+        fetch_tiles(sh, sb, u32(0), k, v, kv_start, kv_stride, plan, 0, S)
         load_fragments(do_frag, do, b, r0, T, h, H, g, t)
         load_fragments(q_frag, o, b, r0, T, h, H, g, t)   # o first, for Di; q takes its registers after
         part_a, part_b = f32(0.0), f32(0.0)
@@ -781,25 +838,24 @@ def mma_kernels(D: int) -> FlashKernels:
         row_lse_b = lse[b, h, min(rb, T - 1)] * f32(LOG2E)
         _zero(acc)
         last_a, last_b = min((S - T) + ra, S - 1), min((S - T) + rb, S - 1)   # the last key each row sees
-        keys_end = min(S, (S - T) + t0 + MMA_ROWS)
+        diagonal = (S - T) + t0                     # the last key the block's first row sees
+        keys_end = min(S, diagonal + MMA_ROWS)
         for s0 in range(0, keys_end, MMA_ROWS):
-            stage = u32((s0 // MMA_ROWS) % 2 * DQ_STAGE)
+            stage = u32(u32(s0) // u32(MMA_ROWS) % u32(2) * u32(DQ_STAGE))
             runtime.cp_async_wait_all()
             cuda.syncthreads()
             if s0 + MMA_ROWS < keys_end:
-                other = u32(DQ_STAGE) - stage
-                fetch_tile(sh, sb, other, k, b, s0 + MMA_ROWS, S, kv, KV, tid)
-                fetch_tile(sh, sb, other + u32(TILE_WORDS), v, b, s0 + MMA_ROWS, S, kv, KV, tid)
+                fetch_tiles(sh, sb, u32(DQ_STAGE) - stage, k, v, kv_start, kv_stride, plan, s0 + MMA_ROWS, S)
             _zero(scores)
             _zero(dp)
             mma_over_dims(scores, q_frag, sh, sb, stage, lane)
             mma_over_dims(dp, do_frag, sh, sb, stage + u32(TILE_WORDS), lane)
-            seen_a, seen_b = last_a - s0, last_b - s0   # the last column each row sees
+            if s0 + MMA_ROWS - 1 > diagonal:
+                mask_outside(scores, i32(-1), i32(last_a - s0 - 2 * t), i32(-1), i32(last_b - s0 - 2 * t))
             for n in range(NR):
                 for c in range(2):
-                    col = 8 * n + 2 * t + c
-                    p_a = math.exp2(scores[n, c] * scale2 - row_lse_a) if col <= seen_a else f32(0.0)
-                    p_b = math.exp2(scores[n, c + 2] * scale2 - row_lse_b) if col <= seen_b else f32(0.0)
+                    p_a = math.exp2(scores[n, c] * scale2 - row_lse_a)
+                    p_b = math.exp2(scores[n, c + 2] * scale2 - row_lse_b)
                     dp[n, c] = p_a * (dp[n, c] - row_di_a)
                     dp[n, c + 2] = p_b * (dp[n, c + 2] - row_di_b)
             mma_over_rows(acc, dp, sh, sb, stage, lane)
@@ -814,7 +870,7 @@ def mma_kernels(D: int) -> FlashKernels:
         # grid (B * KV, S / 64), 128 threads: each warp 16 keys against 64 query rows per step, over
         # every query head of the group, so the group's gradients add up in registers: no atomics
         group = H // KV
-        b, kv = cuda.blockIdx.x // KV, cuda.blockIdx.x % KV
+        b, kv = block_head(KV)
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
@@ -834,8 +890,9 @@ def mma_kernels(D: int) -> FlashKernels:
         first_query = max(0, s0 - (S - T))   # earlier queries see none of this block's keys
         tiles = (T - first_query + MMA_ROWS - 1) // MMA_ROWS
         h0 = kv * group
-        fetch_tile(sh, sb, u32(0), q, b, first_query, T, h0, H, tid)
-        fetch_tile(sh, sb, u32(TILE_WORDS), do, b, first_query, T, h0, H, tid)
+        q_start, q_stride = rows_of(b, T, h0, H)
+        plan = copy_plan(q_stride, tid)
+        fetch_tiles(sh, sb, u32(0), q, do, q_start, q_stride, plan, first_query, T)
         if tid < MMA_ROWS:
             row = min(first_query + tid, T - 1)
             row_stats[0, 0, tid] = lse[b, h0, row] * f32(LOG2E)
@@ -844,41 +901,43 @@ def mma_kernels(D: int) -> FlashKernels:
         load_fragments(v_frag, v, b, k0, S, kv, KV, g, t)
         _zero(dk_acc)
         _zero(dv_acc)
+        t0, head = first_query, h0   # this step's query rows and head: every tile of a head, then the next head
         for step in range(group * tiles):
-            t0 = first_query + (step % tiles) * MMA_ROWS
-            parity = step % 2
+            parity = u32(step) % u32(2)
             stage = u32(parity * KV_STAGE)
             runtime.cp_async_wait_all()
             cuda.syncthreads()
-            if step + 1 < group * tiles:
-                h_next = h0 + (step + 1) // tiles
-                t_next = first_query + ((step + 1) % tiles) * MMA_ROWS
-                other = u32(KV_STAGE) - stage
-                fetch_tile(sh, sb, other, q, b, t_next, T, h_next, H, tid)
-                fetch_tile(sh, sb, other + u32(TILE_WORDS), do, b, t_next, T, h_next, H, tid)
+            t_next, h_next = t0 + MMA_ROWS, head
+            if t_next >= T:
+                t_next, h_next = first_query, head + 1
+            if h_next < h0 + group:
+                q_start, q_stride = rows_of(b, T, h_next, H)
+                fetch_tiles(sh, sb, u32(KV_STAGE) - stage, q, do, q_start, q_stride, plan, t_next, T)
                 if tid < MMA_ROWS:
                     row = min(t_next + tid, T - 1)
-                    row_stats[1 - parity, 0, tid] = lse[b, h_next, row] * f32(LOG2E)
-                    row_stats[1 - parity, 1, tid] = di[b, h_next, row]
+                    row_stats[u32(1) - parity, 0, tid] = lse[b, h_next, row] * f32(LOG2E)
+                    row_stats[u32(1) - parity, 1, tid] = di[b, h_next, row]
             _zero(scores)
             _zero(dp)
             mma_over_dims(scores, k_frag, sh, sb, stage, lane)
             mma_over_dims(dp, v_frag, sh, sb, stage + u32(TILE_WORDS), lane)
-            # the columns (query rows t0 + col) keys a and b are seen by: first_a (first_b) <= col <= last_col
-            first_a = key_a - (S - T) - t0 if key_a < S else MMA_ROWS
-            first_b = key_b - (S - T) - t0 if key_b < S else MMA_ROWS
-            last_col = T - 1 - t0
+            # the columns (query rows t0 + col) keys a and b are seen by: key - (S - T) - t0 .. T - 1 - t0;
+            # a tile of rows that all see every key of the block, none past the last row, needs no mask
+            if t0 < s0 + MMA_ROWS - 1 - (S - T) or t0 + MMA_ROWS > T:
+                last_col = i32(T - 1 - t0 - 2 * t)
+                mask_outside(scores, i32(key_a - (S - T) - t0 - 2 * t), last_col,
+                             i32(key_b - (S - T) - t0 - 2 * t), last_col)
             for n in range(NR):
                 for c in range(2):
                     col = 8 * n + 2 * t + c
                     row_lse, row_di = row_stats[parity, 0, col], row_stats[parity, 1, col]
-                    in_rows = col <= last_col
-                    scores[n, c] = math.exp2(scores[n, c] * scale2 - row_lse) if in_rows and col >= first_a else f32(0.0)
-                    scores[n, c + 2] = math.exp2(scores[n, c + 2] * scale2 - row_lse) if in_rows and col >= first_b else f32(0.0)
+                    scores[n, c] = math.exp2(scores[n, c] * scale2 - row_lse)
+                    scores[n, c + 2] = math.exp2(scores[n, c + 2] * scale2 - row_lse)
                     dp[n, c] = scores[n, c] * (dp[n, c] - row_di)
                     dp[n, c + 2] = scores[n, c + 2] * (dp[n, c + 2] - row_di)
             mma_over_rows(dv_acc, scores, sh, sb, stage + u32(TILE_WORDS), lane)
             mma_over_rows(dk_acc, dp, sh, sb, stage, lane)
+            t0, head = t_next, h_next
         store_rows(dk, dk_acc, scale, b, k0, S, kv, KV, g, t)
         store_rows(dv, dv_acc, f32(1.0), b, k0, S, kv, KV, g, t)
 
