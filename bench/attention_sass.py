@@ -1,34 +1,90 @@
 """The instruction mix of the tensor-core attention kernels: for the forward, dq and dk/dv kernels
-compiled for head size 64, the number of SASS instructions of each opcode (static counts: the
-unrolled loop body once). Shows where a kernel's issue slots go besides HMMA and LDSM.
+compiled for one head size and Hopper (sm_90), the registers each takes, then the number of SASS
+instructions of each opcode, over the whole kernel and over its main loop (the body of the loop that
+streams tiles, the unrolled code run once per tile). Shows where a kernel's issue slots go besides
+HMMA and LDSM. Needs no GPU: Numba writes the PTX, ptxas assembles it and nvdisasm lists it (both
+on PATH; `pip install nvidia-cuda-nvdisasm` brings nvdisasm).
 
-    python bench/attention_sass.py      # on a GPU machine (needs nvdisasm)
+    python bench/attention_sass.py [--head-size 64] [--keep DIR]
 """
 
+import argparse
 import collections
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
-import numpy as np
-from numba import cuda
+from numba import types
+from numba.cuda import compile_ptx
 
 from nanoeuler_ops.cuda import attention
 
-OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
+WORDS = types.Array(types.uint32, 1, "C")
+ROWS = types.Array(types.float32, 3, "C")
+SIZES = (types.int64,) * 4   # T, S, H, KV
+SIGNATURES = {   # as attention.forward and attention.backward launch them
+    "forward": (WORDS, WORDS, WORDS, *SIZES, types.float32, WORDS, ROWS),
+    "dq": (WORDS, WORDS, WORDS, WORDS, WORDS, ROWS, *SIZES, types.float32, WORDS, ROWS),
+    "dkdv": (WORDS, WORDS, WORDS, WORDS, ROWS, ROWS, *SIZES, types.float32, WORDS, WORDS),
+}
+INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
+def sass(name: str, kernel, folder: Path) -> tuple[str, str]:
+    """(ptxas's report, the disassembly) of one kernel compiled as the backend compiles it."""
+    options = kernel.targetoptions
+    ptx, _ = compile_ptx(kernel.py_func, SIGNATURES[name], cc=(9, 0), fastmath=options.get("fastmath", False))
+    (folder / f"{name}.ptx").write_text(ptx)
+    cap = ["-maxrregcount", str(options["max_registers"])] if "max_registers" in options else []
+    report = subprocess.run(["ptxas", "-arch=sm_90", "-O3", "-v", *cap, f"{name}.ptx", "-o", f"{name}.cubin"],
+                            cwd=folder, capture_output=True, text=True, check=True).stderr
+    listing = subprocess.run(["nvdisasm", "-c", f"{name}.cubin"], cwd=folder, capture_output=True, text=True,
+                             check=True).stdout
+    (folder / f"{name}.sass").write_text(listing)
+    return report, listing
+
+
+def main_loop(listing: str) -> list[str]:
+    """The opcodes of the longest backward branch's body that holds an HMMA: the tile loop."""
+    labels, opcodes = {}, []
+    for line in listing.splitlines():
+        if found := LABEL.match(line):
+            labels[found.group(1)] = len(opcodes)
+        elif found := INSTRUCTION.search(line):
+            opcodes.append((found.group(1).split(".")[0], found.group(2)))
+    loops = []
+    for end, (opcode, operands) in enumerate(opcodes):
+        target = re.search(r"\((\.L_x_\d+)\)", operands) if opcode == "BRA" else None
+        if target and labels.get(target.group(1), end) < end:
+            body = [op for op, _ in opcodes[labels[target.group(1)]:end + 1]]
+            if "HMMA" in body:
+                loops.append(body)
+    return max(loops, key=len, default=[])
+
+
+def mix(opcodes) -> str:
+    counts = collections.Counter(opcodes)
+    return f"{sum(counts.values())} instructions; " + ", ".join(f"{op} {n}" for op, n in counts.most_common(16))
 
 
 def main() -> None:
-    # compile the kernels for their argument types by running them once on small bf16 inputs
-    q = cuda.to_device(np.zeros((2, 128, 4, 64), np.uint16))
-    kv = cuda.to_device(np.zeros((2, 128, 2, 64), np.uint16))
-    o, saved = attention.forward(q, kv, kv)
-    attention.backward(o, saved, q, kv, kv)
-    cuda.synchronize()
-    kernels = attention.mma_kernels(64)
-    for name in kernels._fields:
-        for text in getattr(kernels, name).function.inspect_sass().values():
-            opcodes = collections.Counter(m.group(1).split(".")[0] for m in OPCODE.finditer(text))
-            top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(20))
-            print(f"{name}: {sum(opcodes.values())} instructions; {top}")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--keep", type=Path, help="keep the PTX, cubin and SASS files in this folder")
+    args = parser.parse_args()
+    kernels = attention.mma_kernels(args.head_size)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = args.keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in kernels._fields:
+            report, listing = sass(name, getattr(kernels, name).function, folder)
+            registers = re.search(r"Used (\d+) registers", report).group(1)
+            spilled = re.search(r"(\d+) bytes spill stores", report).group(1)
+            print(f"{name}: {registers} registers, {spilled} bytes spilled")
+            print(f"  kernel: {mix(m.group(1).split('.')[0] for m in INSTRUCTION.finditer(listing))}")
+            print(f"  loop:   {mix(main_loop(listing))}")
 
 
 if __name__ == "__main__":
