@@ -15,19 +15,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from numba import types
 from numba.cuda import compile_ptx
 
 from nanoeuler_ops.cuda import attention
 
-WORDS = types.Array(types.uint32, 1, "C")
-ROWS = types.Array(types.float32, 3, "C")
-SIZES = (types.int64,) * 4   # T, S, H, KV
-SIGNATURES = {   # as attention.forward and attention.backward launch them
-    "forward": (WORDS, WORDS, WORDS, *SIZES, types.float32, WORDS, ROWS),
-    "dq": (WORDS, WORDS, WORDS, WORDS, WORDS, ROWS, *SIZES, types.float32, WORDS, ROWS),
-    "dkdv": (WORDS, WORDS, WORDS, WORDS, ROWS, ROWS, *SIZES, types.float32, WORDS, WORDS),
-}
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)")
 LABEL = re.compile(r"^(\.L_x_\d+):")
 
@@ -35,7 +26,7 @@ LABEL = re.compile(r"^(\.L_x_\d+):")
 def sass(name: str, kernel, folder: Path) -> tuple[str, str]:
     """(ptxas's report, the disassembly) of one kernel compiled as the backend compiles it."""
     options = kernel.targetoptions
-    ptx, _ = compile_ptx(kernel.py_func, SIGNATURES[name], cc=(9, 0), fastmath=options.get("fastmath", False))
+    ptx, _ = compile_ptx(kernel.py_func, attention.mma_signatures()[name], cc=(9, 0), fastmath=options.get("fastmath", False))
     (folder / f"{name}.ptx").write_text(ptx)
     cap = ["-maxrregcount", str(options["max_registers"])] if "max_registers" in options else []
     report = subprocess.run(["ptxas", "-arch=sm_90", "-O3", "-v", *cap, f"{name}.ptx", "-o", f"{name}.cubin"],

@@ -3,6 +3,10 @@ layout, tiles copied to shared memory by cp.async and read into fragments by ldm
 conversions. On a GPU the inline-PTX instructions run; under the simulator their
 twins, which the simulated tensor-core kernels rely on, are checked against the same NumPy answer."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from numba import cuda, uint32, uint64
@@ -22,13 +26,16 @@ def _one_tile(a, b, c, d):
 
 
 SHARED_ROW = 12   # words per shared row: 8 of data and 4 of padding, a multiple of 16 bytes
+SHARED_WORDS = 16 * SHARED_ROW
+SHARED_ALIGN = None if runtime.SIMULATOR else 16   # the simulator takes no alignment
+# (globals: a shared array's size and alignment must reach the compiler as constants)
 
 
 @cuda.jit
 def _tile_through_shared(a, src, valid_rows, trans, d):
     # a (16, 8) words: A (16 x 16); src (128,) words, 16 rows of 8: B^T by rows (n-major), or B by
     # rows (k-major) if trans; d (16, 16) = A B, B's rows (trans) or columns past valid_rows as zeros
-    sh = cuda.shared.array(16 * SHARED_ROW, uint32, alignment=None if runtime.SIMULATOR else 16)
+    sh = cuda.shared.array(SHARED_WORDS, uint32, alignment=SHARED_ALIGN)
     base = runtime.shared_base(sh)
     lane = cuda.threadIdx.x
     g, t = lane // 4, lane % 4
@@ -106,3 +113,40 @@ def test_bf16_conversions_round_to_nearest_even():
     expected = bf16_bits(x)
     assert np.array_equal(rounded.copy_to_host(), expected)   # ties go to even: 1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6
     assert np.array_equal(back.copy_to_host(), bf16_values(expected))
+
+
+HOPPER_COMPILE = """
+import sys
+from numba import types
+from numba.cuda import compile_ptx
+from numba.cuda.cudadrv import nvvm
+if not nvvm.is_available():
+    sys.exit(77)
+sys.path.insert(0, "tests")
+import test_tensor_cores as t
+from nanoeuler_ops.cuda import attention
+words, words2, floats2 = types.Array(types.uint32, 1, "C"), types.Array(types.uint32, 2, "C"), types.Array(types.float32, 2, "C")
+kernels = {"one_tile": (t._one_tile, (words2, words2, floats2, floats2)),
+           "tile_through_shared": (t._tile_through_shared, (words2, words, types.int64, types.boolean, floats2))}
+for head_size in (48, 64):   # a row of 6 copy chunks (no whole number of rows per pass), and 8
+    family = attention.mma_kernels(head_size)
+    for name, argtypes in attention.mma_signatures().items():
+        kernels[f"attention {name} D{head_size}"] = (getattr(family, name).function, argtypes)
+for name, (kernel, argtypes) in kernels.items():
+    compile_ptx(kernel.py_func, argtypes, cc=(9, 0), fastmath=kernel.targetoptions.get("fastmath", False))
+    print("compiled", name)
+"""
+
+
+def test_tensor_core_kernels_compile_for_hopper():
+    """The simulator runs a kernel as Python, so it accepts some that the compiler refuses (a shared
+    array sized by an expression). This compiles the tensor-core kernels, the attention family for
+    two head sizes and this file's, to sm_90 PTX through NVVM, in a process without the
+    simulator: no GPU needed."""
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+    result = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], cwd=os.path.dirname(os.path.dirname(__file__)),
+                            env=env, capture_output=True, text=True, timeout=600)
+    if result.returncode == 77:
+        pytest.skip("no CUDA toolkit (NVVM) on this machine")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("compiled") == 2 + 2 * 3

@@ -31,7 +31,7 @@ from functools import cache
 from typing import Callable, NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, types, uint32, uint64
 
 from nanoeuler_ops.attention import check_shapes
 from nanoeuler_ops.cuda import runtime
@@ -541,6 +541,9 @@ SIMT_FAMILY = Family(simt_kernels, TILE, THREADS, tensor=lambda x: x, takes_size
 # WS = D/2 + 4 words, so that the eight 16-byte rows an ldmatrix phase reads fall in distinct
 # banks), and from there into B fragments by ldmatrix: as stored for a product over the head dims
 # (S = Q K^T), transposed (ldmatrix.trans) for a product over the tile's rows (O += P V).
+# Index arithmetic is kept off the tile loop: each thread's copy offsets are worked out once
+# (copy_plan), indices are 32-bit where they can be, and only the tiles that cross the causal
+# diagonal or the last row are masked (bench/attention_sass.py shows each loop's instruction mix).
 
 MMA_ROWS = 64                      # rows of a block's tile and of a streamed tile
 MMA_WARPS = MMA_ROWS // 16
@@ -948,6 +951,16 @@ def mma_kernels(D: int) -> FlashKernels:
 def _words(x):
     """A bf16 array as one flat run of uint32 words, each two neighbouring elements of its last axis."""
     return x.reshape(x.size).view(np.uint32)
+
+
+def mma_signatures() -> dict:
+    """The argument types of the tensor-core forward, dq and dk/dv kernels as forward() and
+    backward() launch them: to compile them ahead for a GPU that is not here (numba.cuda.compile_ptx)."""
+    words, rows = types.Array(types.uint32, 1, "C"), types.Array(types.float32, 3, "C")
+    sizes = (types.int64,) * 4   # T, S, H, KV
+    return {"forward": (words, words, words, *sizes, types.float32, words, rows),
+            "dq": (words, words, words, words, words, rows, *sizes, types.float32, words, rows),
+            "dkdv": (words, words, words, words, rows, rows, *sizes, types.float32, words, words)}
 
 
 MMA_FAMILY = Family(mma_kernels, MMA_ROWS, MMA_THREADS, tensor=_words, takes_sizes=True)
