@@ -2,7 +2,9 @@
 product cut into one tile per thread (nanoeuler_ops/cpu/common.py's gemm), and attention over
 several blocks of query rows (the causal limit of each block, dk and dv summed over the blocks and
 the query heads of a group), on one thread and on several, and on the plain-loop sgemm used where
-OpenBLAS is missing. Each against float64 NumPy, and run twice for the same bits."""
+OpenBLAS is missing. Each against float64 NumPy, and run twice for the same bits. And the
+decoding kernels at a prompt's size, where they share their work among the threads: every row
+the same bits as that row computed alone on one thread."""
 
 import os
 import subprocess
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 from nanoeuler_ops import attention as attention_reference
-from nanoeuler_ops.cpu import attention, common
+from nanoeuler_ops.cpu import attention, common, decode_attention, linear_residual, norm_linear, norm_swiglu
 
 
 @pytest.mark.parametrize("M, N, K", [(1024, 688, 128), (688, 128, 1024), (129, 343, 65), (3, 1000, 200)])
@@ -86,3 +88,33 @@ def test_attention_without_openblas():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert float(run.stdout.split()[-1]) < 2e-5
+
+
+def test_decoding_kernels_threaded_give_each_row_its_bits_alone():
+    """Above their thresholds (a 128-token prefill) the decoding kernels share outputs, rows and
+    queries among the threads; each row must still come out as a one-token step computes it."""
+    rng = np.random.default_rng(0)
+    T, C, H, KV, D, F = 128, 128, 4, 2, 32, 344
+    x = rng.standard_normal((T, C), dtype=np.float32)
+    g = rng.standard_normal(C, dtype=np.float32)
+    wqkv = rng.standard_normal(((H + 2 * KV) * D, C), dtype=np.float32)
+    wgu = rng.standard_normal((2 * F, C), dtype=np.float32)
+    wd = rng.standard_normal((C, F), dtype=np.float32)
+    act = rng.standard_normal((T, F), dtype=np.float32)
+    assert T * wqkv.shape[0] * C >= 1 << 22 and T * F >= 1 << 14   # the threaded paths
+    rows = {"norm_linear": (lambda r: norm_linear.forward(x[r], g, wqkv, eps=1e-5)[0]),
+            "norm_swiglu": (lambda r: norm_swiglu.forward(x[r], g, wgu, eps=1e-5)[0]),
+            "linear_residual": (lambda r: linear_residual.forward(act[r], wd, x[r])[0])}
+    for name, run in rows.items():
+        whole = run(slice(0, T))
+        alone = np.concatenate([run(slice(t, t + 1)) for t in range(T)])
+        assert np.array_equal(whole, alone), name
+    # the prompt in one pass against token by token, caches included
+    qkv = rng.standard_normal((1, T, H + 2 * KV, D), dtype=np.float32)
+    caches = [np.zeros((1, T, KV, D), np.float32) for _ in range(4)]
+    whole, _ = decode_attention.forward(qkv, caches[0], caches[1], np.zeros(1, np.int64), n_kv_heads=KV, theta=1e4)
+    steps = [decode_attention.forward(qkv[:, t:t + 1], caches[2], caches[3], np.array([t]), n_kv_heads=KV,
+                                      theta=1e4)[0] for t in range(T)]
+    assert H * T * (T + 1) // 2 * D >= 1 << 18   # the threaded path
+    assert np.array_equal(whole, np.concatenate(steps, axis=1))
+    assert np.array_equal(caches[0], caches[2]) and np.array_equal(caches[1], caches[3])

@@ -6,14 +6,19 @@ of a batch, or beside speculative proposals (nanoeuler_core/inference/decode.py)
 does not promise that: it picks kernels and blockings by the matrix sizes. Here every row runs
 through the same instructions: loops go over blocks of 4 outputs (sharing the loads of one x
 row) and, inside, over rows one at a time, never blocking a row with its neighbours, whose
-number would change the vectorised code. These loops run on one thread: at decoding sizes
-(one token, a few hundred kilobytes of weights) waking a second thread costs more than the work.
+number would change the vectorised code. Small products run on one thread: at decoding sizes
+(one token, a few hundred kilobytes of weights) waking a second thread costs more than the work;
+larger ones (a prompt's prefill) share blocks of outputs among the threads.
 """
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from nanoeuler_ops.cpu.common import REDUCE_FASTMATH
+
+# Multiply-adds of a product from which sharing its outputs among the threads pays for waking them
+# (a token's step at batch 1 stays on one thread; a 127-token prefill of `small` does not)
+THREADED_PRODUCTS = 1 << 22
 
 
 @njit(cache=True, fastmath=REDUCE_FASTMATH)
@@ -30,24 +35,42 @@ def rmsnorm_rows(x, g, eps, h):
 
 
 @njit(cache=True, fastmath=REDUCE_FASTMATH)
+def _four_outputs(x, w, out, o):
+    # out[:, o:o+4] = x @ w[o:o+4].T: the four outputs share the loads of each x[n]; rows one at a time
+    N, I = x.shape
+    for n in range(N):
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for i in range(I):
+            xi = x[n, i]
+            a0 += xi * w[o, i]
+            a1 += xi * w[o + 1, i]
+            a2 += xi * w[o + 2, i]
+            a3 += xi * w[o + 3, i]
+        out[n, o] = a0
+        out[n, o + 1] = a1
+        out[n, o + 2] = a2
+        out[n, o + 3] = a3
+
+
+@njit(cache=True, fastmath=REDUCE_FASTMATH, parallel=True)
+def _four_outputs_threaded(x, w, out, blocks):
+    # _four_outputs over blocks 0..blocks-1 of four outputs, the blocks shared among the threads
+    for block in prange(blocks):
+        _four_outputs(x, w, out, 4 * block)
+
+
+@njit(cache=True, fastmath=REDUCE_FASTMATH)
 def matmul_rows(x, w, out):
-    # x (N, I), w (O, I) -> out (N, O) = x @ w.T; four outputs at a time share the loads of x[n]
+    # x (N, I), w (O, I) -> out (N, O) = x @ w.T. Each output is the same loop over i whichever
+    # thread runs it, so threading (a prompt's prefill, a wide batch) changes no bit
     N, I = x.shape
     O = w.shape[0]
     O4 = O - O % 4
-    for o in range(0, O4, 4):
-        for n in range(N):
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            for i in range(I):
-                xi = x[n, i]
-                a0 += xi * w[o, i]
-                a1 += xi * w[o + 1, i]
-                a2 += xi * w[o + 2, i]
-                a3 += xi * w[o + 3, i]
-            out[n, o] = a0
-            out[n, o + 1] = a1
-            out[n, o + 2] = a2
-            out[n, o + 3] = a3
+    if N * O * I >= THREADED_PRODUCTS:
+        _four_outputs_threaded(x, w, out, O4 // 4)
+    else:
+        for o in range(0, O4, 4):
+            _four_outputs(x, w, out, o)
     for o in range(O4, O):
         for n in range(N):
             a0 = np.float32(0.0)

@@ -2,11 +2,29 @@
 for the math and nanoeuler_ops.cpu.decoding.py for how rows stay independent of the batch."""
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from nanoeuler_ops.cpu.decoding import matmul_rows, rmsnorm_rows
 from nanoeuler_ops.cpu.common import exp32
 from nanoeuler_ops.norm_swiglu import check_shapes
+
+THREADED_ELEMENTS = 1 << 14   # outputs from which the SwiGLU shares its rows among the threads
+
+
+@njit(cache=True)
+def _silu_product(gate_up, y, n):
+    # y[n] = silu(gate) * up of row n; silu(z) = z / (1 + exp(-z)), and exp32 saturates instead of
+    # overflowing, so every z is fine
+    F = y.shape[1]
+    for f in range(F):
+        z = gate_up[n, f]
+        y[n, f] = z / (np.float32(1.0) + exp32(-z)) * gate_up[n, F + f]
+
+
+@njit(cache=True, parallel=True)
+def _silu_product_threaded(gate_up, y):
+    for n in prange(y.shape[0]):
+        _silu_product(gate_up, y, n)
 
 
 @njit(cache=True)
@@ -14,12 +32,11 @@ def _forward(x, g, w, eps, h, gate_up, y):
     # x (N, C), g (C,), w (2F, C) -> h (N, C), gate_up (N, 2F) (scratch), y (N, F)
     rmsnorm_rows(x, g, eps, h)
     matmul_rows(h, w, gate_up)
-    N, F = y.shape
-    for n in range(N):
-        for f in range(F):
-            z = gate_up[n, f]
-            # silu(z) = z / (1 + exp(-z)); exp32 saturates instead of overflowing, so every z is fine
-            y[n, f] = z / (np.float32(1.0) + exp32(-z)) * gate_up[n, F + f]
+    if y.size >= THREADED_ELEMENTS:   # a prompt's prefill; a token's step stays on one thread
+        _silu_product_threaded(gate_up, y)
+    else:
+        for n in range(y.shape[0]):
+            _silu_product(gate_up, y, n)
 
 
 def forward(x, g, w, *, eps):
