@@ -135,18 +135,30 @@ for head_size in (48, 64):   # a row of 6 copy chunks (no whole number of rows p
 for name, (kernel, argtypes) in kernels.items():
     compile_ptx(kernel.py_func, argtypes, cc=(9, 0), fastmath=kernel.targetoptions.get("fastmath", False))
     print("compiled", name)
+# the decoding attention as for a GPU that overlaps kernels: it must wait for the kernel ahead of it
+from nanoeuler_ops.cuda import decode_attention, runtime
+runtime._overlap.append(True)
+f2, f3, f4 = (types.Array(types.float32, n, "C") for n in (2, 3, 4))
+ints = types.Array(types.int64, 1, "C")
+attend, combine = decode_attention._kernels(64)
+for name, kernel, argtypes in (("attend", attend, (f4, f4, f4, ints, f2, f2, f2, f2, f3)),
+                               ("combine", combine, (f2, f2, f3, ints, types.int64, types.int64, f4))):
+    ptx, _ = compile_ptx(kernel.py_func, argtypes, cc=(9, 0))
+    assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx, name
+    print("compiled decoding", name)
 """
 
 
 def test_tensor_core_kernels_compile_for_hopper():
     """The simulator runs a kernel as Python, so it accepts some that the compiler refuses (a shared
-    array sized by an expression). This compiles the tensor-core kernels, the attention family for
-    two head sizes and this file's, to sm_90 PTX through NVVM, in a process without the
-    simulator: no GPU needed."""
+    array sized by an expression), and it never runs the instructions that let kernels overlap.
+    This compiles the tensor-core kernels, the attention family for two head sizes and this file's,
+    and the decoding attention's kernels with their overlap instructions, to sm_90 PTX through NVVM,
+    in a process without the simulator: no GPU needed."""
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
     result = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], cwd=os.path.dirname(os.path.dirname(__file__)),
                             env=env, capture_output=True, text=True, timeout=600)
     if result.returncode == 77:
         pytest.skip("no CUDA toolkit (NVVM) on this machine")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 2 + 2 * 3
+    assert result.stdout.count("compiled") == 2 + 2 * 3 + 2

@@ -1,32 +1,41 @@
 """Decoding attention with a KV cache on the GPU (flash-decoding). See nanoeuler_ops/decode_attention.py
 for the math.
 
-Three kernels, all reading positions from `pos` in device memory (so a captured CUDA graph serves
-every step):
-  1. rope_append: one thread per rotated pair: RoPE of the new queries (into a scratch q) and keys
-     at p = pos[b] + t, keys and values written into the cache at p.
-  2. attend: one block per (query, split of SPLIT keys): each thread scores one key, the block
-     takes the split's max and sum of exponentials, then each thread sums one dimension of the
-     split's weighted values, keys in order.
-  3. combine: one block per query: the splits' partial results rescaled to the overall max and
-     added in split order.
-A query at position p uses the splits 0 .. p // SPLIT: the same for every batch and step shape.
+Two kernels, both reading positions from `pos` in device memory (so a captured CUDA graph serves
+every step), each launched to overlap the kernel ahead of it (runtime.launch's overlap):
+  1. attend: block (item, split), item = (b, t, key/value head g), covers the SPLIT keys
+     split * SPLIT .. of the query at p = pos[b] + t, for every query head of g's group:
+       - four threads share a key (quad_sum adds their parts of a dot product); thread `lane` of the
+         four holds the rotation pairs (j, j + D/2), j = lane, lane + 4, ... of the key and the
+         value, so RoPE never crosses threads;
+       - a key of this call (position >= pos[b]) is read from qkv and rotated in the block: no block
+         waits for another to write it. The block whose split holds p writes the key and value of
+         its own token into the cache; no block of this call reads the cache there;
+       - per query head: scores, the split's max and sum of exponentials (fixed trees), and the
+         weighted values (PARTS threads per dimension, each adding a run of keys in order), into
+         part_*.
+  2. combine: block item: each head's splits rescaled to the overall max and added in split order.
+A query at position p uses the splits 0 .. p // SPLIT, each computed in the same order whatever the
+batch or the tokens fed with it: a row's output depends on the row alone.
 """
 
 import math
+from functools import cache
 
 import numpy as np
-from numba import cuda, float32, float64
+from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import block_reduce
+from nanoeuler_ops.cuda.runtime import WARP, let_next_start, quad_sum, wait_for_previous, warp_max, warp_sum
 from nanoeuler_ops.decode_attention import check_shapes
 from nanoeuler_ops.qkv_rope import cos_sin
 
-SPLIT = 64            # keys per block in `attend` (and its threads)
-MAX_HEAD_DIM = 256    # the query is staged in shared memory
-THREADS = 256         # threads per block of rope_append
-_tables: dict = {}    # (S, D, theta) -> device cos, sin (S, D/2)
+SPLIT = 32                      # keys per block
+LANES = 4                       # threads per key
+THREADS = SPLIT * LANES
+WARPS = THREADS // WARP
+MAX_HEAD_DIM = 256              # a split's values are staged in shared memory (32 KB at 256)
+_tables: dict = {}              # (S, D, theta) -> device cos, sin (S, D/2)
 
 
 def _table(S: int, D: int, theta: float):
@@ -39,145 +48,220 @@ def _table(S: int, D: int, theta: float):
     return _tables[key]
 
 
-@cuda.jit(cache=True)
-def _rope_append(qkv, k_cache, v_cache, pos, cos, sin, q):
-    # qkv (B, T, H + 2KV, D), caches (B, S, KV, D), pos (B,), cos, sin (S, D/2) -> q (B, T, H, D)
-    # rotated; caches written at p = pos[b] + t. One thread per (b, t, head, j < D/2).
-    B, T, heads, D = qkv.shape
-    S, KV = k_cache.shape[1], k_cache.shape[2]
-    H = heads - 2 * KV
+@cache
+def _kernels(D: int):
+    """The kernels for head size D (the per-thread register arrays are unrolled over D)."""
     half = D // 2
-    i = cuda.grid(1)
-    if i >= B * T * heads * half:
-        return
-    j = i % half
-    head = (i // half) % heads
-    bt = i // (half * heads)
-    b, t = bt // T, bt % T
-    p = pos[b] + t
-    if p < 0 or p >= S:
-        return
-    u1 = qkv[b, t, head, j]
-    u2 = qkv[b, t, head, j + half]
-    if head >= H + KV:                      # value head: copied
-        v_cache[b, p, head - H - KV, j] = u1
-        v_cache[b, p, head - H - KV, j + half] = u2
-        return
-    c, s = cos[p, j], sin[p, j]
-    r1 = u1 * c - u2 * s
-    r2 = u2 * c + u1 * s
-    if head < H:
-        q[b, t, head, j] = r1
-        q[b, t, head, j + half] = r2
-    else:
-        k_cache[b, p, head - H, j] = r1
-        k_cache[b, p, head - H, j + half] = r2
+    PAIRS = -(-half // LANES)                 # rotation pairs per thread
+    QHEADS = max(1, 2048 // D)                # query heads staged in shared memory at once
+    PARTS = max(1, THREADS // D)              # threads sharing a dimension of the weighted values
+    PART_KEYS = SPLIT // PARTS                # keys each of them adds
+    CHUNK = 8                                 # splits' results loaded together when adding them up
+    scale = float32(1.0 / math.sqrt(D))
 
+    @cuda.jit(device=True, inline=True)
+    def load(src, b, row, head, lane, lo, hi):
+        # src (B, rows, heads, D): this thread's pairs of src[b, row, head]
+        for i in range(PAIRS):
+            j = lane + LANES * i
+            if j < half:
+                lo[i] = src[b, row, head, j]
+                hi[i] = src[b, row, head, j + half]
 
-@cuda.jit(cache=True)
-def _attend(q, k_cache, v_cache, pos, part_max, part_sum, part_o):
-    # q (B, T, H, D), caches (B, S, KV, D), pos (B,) -> per (b, t, h) and split of SPLIT keys:
-    # part_max, part_sum (B*T*H, n_splits), part_o (B*T*H, n_splits, D). Block (b*T*H + t*H + h, split).
-    B, T, H, D = q.shape
-    S, KV = k_cache.shape[1], k_cache.shape[2]
-    bth = cuda.blockIdx.x
-    split = cuda.blockIdx.y
-    b, t, h = bth // (T * H), bth // H % T, bth % H
-    p = pos[b] + t
-    first = split * SPLIT
-    if p < 0 or p >= S or first > p:
-        return                              # the whole block leaves: no split here
-    g = h // (H // KV)
-    tid = cuda.threadIdx.x
-    q_row = cuda.shared.array(MAX_HEAD_DIM, float32)
-    weights = cuda.shared.array(SPLIT, float32)
-    scratch = cuda.shared.array(32, float64)
-    for d in range(tid, D, SPLIT):
-        q_row[d] = q[b, t, h, d]
-    cuda.syncthreads()
-    key = first + tid
-    score = float32(-math.inf)
-    if key <= p:   # the key's row, four loads in flight at a time (D is even; the sums stay in order)
-        dot = float32(0.0)
-        d = 0
-        while d + 3 < D:
-            k0, k1, k2, k3 = k_cache[b, key, g, d], k_cache[b, key, g, d + 1], k_cache[b, key, g, d + 2], \
-                k_cache[b, key, g, d + 3]
-            dot += q_row[d] * k0
-            dot += q_row[d + 1] * k1
-            dot += q_row[d + 2] * k2
-            dot += q_row[d + 3] * k3
-            d += 4
-        while d < D:
-            dot += q_row[d] * k_cache[b, key, g, d]
-            d += 1
-        score = dot * (float32(1.0) / math.sqrt(float32(D)))
-    top = float32(block_reduce(score, True, scratch))
-    e = math.exp(score - top) if key <= p else float32(0.0)
-    weights[tid] = e
-    total = block_reduce(e, False, scratch)   # synchronises: weights are complete after it
-    n_keys = min(SPLIT, p + 1 - first)
-    for d in range(tid, D, SPLIT):   # one dimension of the weighted values, keys in order, four loads in flight
-        acc = float32(0.0)
-        i = 0
-        while i + 3 < n_keys:
-            v0, v1, v2, v3 = v_cache[b, first + i, g, d], v_cache[b, first + i + 1, g, d], \
-                v_cache[b, first + i + 2, g, d], v_cache[b, first + i + 3, g, d]
-            acc += weights[i] * v0
-            acc += weights[i + 1] * v1
-            acc += weights[i + 2] * v2
-            acc += weights[i + 3] * v3
-            i += 4
-        while i < n_keys:
-            acc += weights[i] * v_cache[b, first + i, g, d]
-            i += 1
-        part_o[bth, split, d] = acc
-    if tid == 0:
-        part_max[bth, split] = top
-        part_sum[bth, split] = total
+    @cuda.jit(device=True, inline=True)
+    def rotate(lo, hi, cos, sin, p, lane):
+        for i in range(PAIRS):
+            j = lane + LANES * i
+            if j < half:
+                c, s = cos[p, j], sin[p, j]
+                u1, u2 = lo[i], hi[i]
+                lo[i] = u1 * c - u2 * s
+                hi[i] = u2 * c + u1 * s
 
+    @cuda.jit(device=True, inline=True)
+    def store(dst, b, row, head, lane, lo, hi):
+        for i in range(PAIRS):
+            j = lane + LANES * i
+            if j < half:
+                dst[b, row, head, j] = lo[i]
+                dst[b, row, head, j + half] = hi[i]
 
-@cuda.jit(cache=True)
-def _combine(part_max, part_sum, part_o, pos, S, o):
-    # part_* of `attend`, pos (B,) -> o (B, T, H, D); block b*T*H + t*H + h, threads over D
-    B, T, H, D = o.shape
-    bth = cuda.blockIdx.x
-    b, t, h = bth // (T * H), bth // H % T, bth % H
-    p = pos[b] + t
-    if p < 0 or p >= S:
-        for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
-            o[b, t, h, d] = 0.0
-        return
-    n_splits = p // SPLIT + 1
-    top = float32(-math.inf)
-    for s in range(n_splits):
-        top = max(top, part_max[bth, s])
-    total = float32(0.0)
-    for s in range(n_splits):
-        total += part_sum[bth, s] * math.exp(part_max[bth, s] - top)
-    for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
-        acc = float32(0.0)
-        for s in range(n_splits):
-            acc += part_o[bth, s, d] * math.exp(part_max[bth, s] - top)
-        o[b, t, h, d] = acc / total
+    @cuda.jit(device=True, inline=True)
+    def stage_queries(qkv, cos, sin, q_rows, b, t, head0, n_heads, p, tid):
+        # the queries of heads head0 .. head0 + n_heads - 1 of token (b, t), rotated at p, into q_rows
+        for i in range(tid, n_heads * half, THREADS):
+            hq, j = i // half, i % half
+            u1, u2 = qkv[b, t, head0 + hq, j], qkv[b, t, head0 + hq, j + half]
+            c, sn = cos[p, j], sin[p, j]
+            q_rows[hq, j] = u1 * c - u2 * sn
+            q_rows[hq, j + half] = u2 * c + u1 * sn
+
+    @cuda.jit(cache=True)
+    def attend(qkv, k_cache, v_cache, pos, cos, sin, part_max, part_sum, part_o):
+        # qkv (B, T, H + 2KV, D), caches (B, S, KV, D), pos (B,), cos, sin (S, D/2)
+        # -> part_max, part_sum (B*T*H, splits), part_o (B*T*H, splits, D)
+        B, T, heads, _ = qkv.shape
+        S, KV = k_cache.shape[1], k_cache.shape[2]
+        H = heads - 2 * KV
+        G = H // KV
+        item, split = cuda.blockIdx.x, cuda.blockIdx.y
+        g, bt = item % KV, item // KV
+        b, t = bt // T, bt % T
+        first = split * SPLIT
+        tid = cuda.threadIdx.x
+        let_next_start()
+        wait_for_previous()
+        p = pos[b] + t
+        if p < 0 or p >= S or first > p:       # a finished row (the cache untouched), or no split here
+            return
+        q_rows = cuda.shared.array((QHEADS, D), float32)
+        values = cuda.shared.array((SPLIT, D), float32)
+        weights = cuda.shared.array(SPLIT, float32)
+        value_parts = cuda.shared.array((PARTS, D), float32)
+        top_part = cuda.shared.array(WARPS, float32)
+        sum_part = cuda.shared.array(WARPS, float32)
+        key, lane = tid // LANES, tid % LANES
+        warp, wlane = tid // WARP, tid % WARP
+        s = first + key
+        k_lo = cuda.local.array(PAIRS, float32)
+        k_hi = cuda.local.array(PAIRS, float32)
+        v_lo = cuda.local.array(PAIRS, float32)
+        v_hi = cuda.local.array(PAIRS, float32)
+        for i in range(PAIRS):
+            k_lo[i], k_hi[i], v_lo[i], v_hi[i] = 0.0, 0.0, 0.0, 0.0
+        start = pos[b]
+        new_token = s <= p and s >= start     # a token of this call: read from qkv, rotated here
+        if new_token:
+            load(qkv, b, s - start, H + g, lane, k_lo, k_hi)
+            load(qkv, b, s - start, H + KV + g, lane, v_lo, v_hi)
+        elif s < start:
+            load(k_cache, b, s, g, lane, k_lo, k_hi)
+            load(v_cache, b, s, g, lane, v_lo, v_hi)
+        # the first queries while the keys and values are on their way
+        stage_queries(qkv, cos, sin, q_rows, b, t, g * G, min(QHEADS, G), p, tid)
+        if new_token:
+            rotate(k_lo, k_hi, cos, sin, s, lane)
+            if s == p:                        # this block's own token goes into the cache
+                store(k_cache, b, p, g, lane, k_lo, k_hi)
+                store(v_cache, b, p, g, lane, v_lo, v_hi)
+        for i in range(PAIRS):
+            j = lane + LANES * i
+            if j < half:
+                values[key, j] = v_lo[i]
+                values[key, j + half] = v_hi[i]
+        n_keys = min(SPLIT, p + 1 - first)
+        row0 = bt * H + g * G                 # part_* row of the group's first query head
+        for h0 in range(0, G, QHEADS):
+            if h0 > 0:
+                cuda.syncthreads()            # the previous heads' q_rows are read
+                stage_queries(qkv, cos, sin, q_rows, b, t, g * G + h0, min(QHEADS, G - h0), p, tid)
+            cuda.syncthreads()
+            for hq in range(min(QHEADS, G - h0)):
+                dot = float32(0.0)
+                for i in range(PAIRS):
+                    j = lane + LANES * i
+                    if j < half:
+                        dot += q_rows[hq, j] * k_lo[i] + q_rows[hq, j + half] * k_hi[i]
+                dot = quad_sum(dot)
+                score = dot * scale if s <= p else float32(-math.inf)
+                m = warp_max(score)
+                if wlane == 0:
+                    top_part[warp] = m
+                cuda.syncthreads()
+                top = top_part[0]
+                for w in range(1, WARPS):
+                    top = max(top, top_part[w])
+                e = math.exp(score - top) if s <= p else float32(0.0)
+                total = warp_sum(e if lane == 0 else float32(0.0))
+                if lane == 0:
+                    weights[key] = e
+                if wlane == 0:
+                    sum_part[warp] = total
+                cuda.syncthreads()
+                row = row0 + h0 + hq
+                # one dimension of the weighted values: PARTS threads add PART_KEYS keys each, in order,
+                # then their sums are added in order
+                for i in range(tid, PARTS * D, THREADS):
+                    part, d = i // D, i % D
+                    acc = float32(0.0)
+                    for k in range(part * PART_KEYS, min(n_keys, (part + 1) * PART_KEYS)):
+                        acc += weights[k] * values[k, d]
+                    value_parts[part, d] = acc
+                cuda.syncthreads()
+                for d in range(tid, D, THREADS):
+                    acc = value_parts[0, d]
+                    for part in range(1, PARTS):
+                        acc += value_parts[part, d]
+                    part_o[row, split, d] = acc
+                if tid == 0:
+                    total = sum_part[0]
+                    for w in range(1, WARPS):
+                        total += sum_part[w]
+                    part_max[row, split] = top
+                    part_sum[row, split] = total
+                cuda.syncthreads()            # weights and the partial sums are read
+
+    @cuda.jit(cache=True)
+    def combine(part_max, part_sum, part_o, pos, S, KV, o):
+        # part_* of `attend`, pos (B,) -> o (B, T, H, D); block (b * T + t) * KV + g: the group's heads
+        B, T, H, _ = o.shape
+        G = H // KV
+        item = cuda.blockIdx.x
+        g, bt = item % KV, item // KV
+        b, t = bt // T, bt % T
+        tid = cuda.threadIdx.x
+        let_next_start()
+        wait_for_previous()
+        p = pos[b] + t
+        n_splits = p // SPLIT + 1
+        maxes = cuda.local.array(CHUNK, float32)
+        sums = cuda.local.array(CHUNK, float32)
+        outs = cuda.local.array(CHUNK, float32)
+        for i in range(tid, G * D, THREADS):
+            hq, d = i // D, i % D
+            if p < 0 or p >= S:                   # a finished row: o is 0
+                o[b, t, g * G + hq, d] = 0.0
+                continue
+            row = bt * H + g * G + hq
+            top = float32(-math.inf)
+            for sp0 in range(0, n_splits, CHUNK):     # CHUNK splits' loads in flight at once
+                for u in range(CHUNK):
+                    maxes[u] = part_max[row, sp0 + u] if sp0 + u < n_splits else float32(-math.inf)
+                for u in range(CHUNK):
+                    top = max(top, maxes[u])
+            total = float32(0.0)
+            acc = float32(0.0)
+            for sp0 in range(0, n_splits, CHUNK):
+                for u in range(CHUNK):
+                    if sp0 + u < n_splits:
+                        maxes[u], sums[u], outs[u] = part_max[row, sp0 + u], part_sum[row, sp0 + u], \
+                            part_o[row, sp0 + u, d]
+                for u in range(CHUNK):
+                    if sp0 + u < n_splits:
+                        rescale = math.exp(maxes[u] - top)
+                        total += sums[u] * rescale
+                        acc += outs[u] * rescale
+            o[b, t, g * G + hq, d] = acc / total
+
+    return attend, combine
 
 
 def forward(qkv, k_cache, v_cache, pos, *, n_kv_heads, theta):
     check_shapes(qkv, k_cache, v_cache, pos, n_kv_heads)
     B, T, heads, D = qkv.shape
     S = k_cache.shape[1]
-    H = heads - 2 * n_kv_heads
+    KV = n_kv_heads
+    H = heads - 2 * KV
     if D > MAX_HEAD_DIM:
         raise ValueError(f"decode_attention on the GPU supports head sizes up to {MAX_HEAD_DIM}, got {D}")
     cos, sin = _table(S, D, float(theta))
-    q = runtime.empty((B, T, H, D), qkv.dtype)
-    runtime.launch(_rope_append, runtime.blocks_for(B * T * heads * D // 2, THREADS), THREADS,
-                   qkv, k_cache, v_cache, pos, cos, sin, q)
     n_splits = (S + SPLIT - 1) // SPLIT
-    part_max = runtime.empty((B * T * H, n_splits), qkv.dtype)
-    part_sum = runtime.empty((B * T * H, n_splits), qkv.dtype)
-    part_o = runtime.empty((B * T * H, n_splits, D), qkv.dtype)
-    runtime.launch(_attend, (B * T * H, n_splits), SPLIT, q, k_cache, v_cache, pos, part_max, part_sum, part_o)
+    part_max = runtime.empty((B * T * H, n_splits), np.float32)
+    part_sum = runtime.empty((B * T * H, n_splits), np.float32)
+    part_o = runtime.empty((B * T * H, n_splits, D), np.float32)
     o = runtime.empty((B, T, H, D), qkv.dtype)
-    runtime.launch(_combine, B * T * H, min(D, 128), part_max, part_sum, part_o, pos, S, o)
+    attend, combine = _kernels(D)
+    runtime.launch(attend, (B * T * KV, n_splits), THREADS, qkv, k_cache, v_cache, pos, cos, sin, part_max, part_sum,
+                   part_o, overlap=True)
+    runtime.launch(combine, B * T * KV, THREADS, part_max, part_sum, part_o, pos, S, KV, o, overlap=True)
     return o, ()

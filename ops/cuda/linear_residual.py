@@ -6,8 +6,8 @@ float32 and accumulated in float32; y has r's storage."""
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, to_partials
-from nanoeuler_ops.cuda.runtime import stored, to_f32
+from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, prefetch_rows, to_partials
+from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous
 from nanoeuler_ops.linear_residual import check_shapes
 
 
@@ -20,6 +20,9 @@ def _forward(x, w, res, y):
     partial = cuda.shared.array((1, WARPS, ROWS), float32)
     dot = cuda.local.array(ROWS, float32)
     wc = cuda.local.array(UNROLL, float32)
+    let_next_start()
+    prefetch_rows(w, o, 1)
+    wait_for_previous()
     for r0 in range(0, N, ROWS):
         for r in range(ROWS):
             dot[r] = 0.0
@@ -48,5 +51,5 @@ def _forward(x, w, res, y):
 def forward(x, w, r):
     check_shapes(x, w, r)
     y = runtime.empty(r.shape, r.dtype)
-    runtime.launch(_forward, w.shape[0], THREADS, x, w, r, y)
+    runtime.launch(_forward, w.shape[0], THREADS, x, w, r, y, overlap=True)
     return y, ()

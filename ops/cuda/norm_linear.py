@@ -12,8 +12,8 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, to_partials
-from nanoeuler_ops.cuda.runtime import stored, to_f32
+from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, prefetch_rows, to_partials
+from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous
 from nanoeuler_ops.norm_linear import check_shapes
 
 
@@ -27,6 +27,9 @@ def _forward(x, g, w, eps, y):
     dot = cuda.local.array(ROWS, float32)
     squares = cuda.local.array(ROWS, float32)
     wg = cuda.local.array(UNROLL, float32)
+    let_next_start()
+    prefetch_rows(w, o, 1)
+    wait_for_previous()
     for r0 in range(0, N, ROWS):
         for r in range(ROWS):
             dot[r] = 0.0
@@ -62,5 +65,5 @@ def _forward(x, g, w, eps, y):
 def forward(x, g, w, *, eps):
     check_shapes(x, g, w)
     y = runtime.empty((x.shape[0], w.shape[0]), x.dtype)
-    runtime.launch(_forward, w.shape[0], THREADS, x, g, w, float32(eps), y)
+    runtime.launch(_forward, w.shape[0], THREADS, x, g, w, float32(eps), y, overlap=True)
     return y, ()

@@ -11,8 +11,8 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, to_partials
-from nanoeuler_ops.cuda.runtime import stored, to_f32
+from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, prefetch_rows, to_partials
+from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous
 from nanoeuler_ops.norm_swiglu import check_shapes
 
 
@@ -29,6 +29,10 @@ def _forward(x, g, w, eps, y):
     squares = cuda.local.array(ROWS, float32)
     wg = cuda.local.array(UNROLL, float32)
     wu = cuda.local.array(UNROLL, float32)
+    let_next_start()
+    prefetch_rows(w, f, 1)
+    prefetch_rows(w, F + f, 1)
+    wait_for_previous()
     for r0 in range(0, N, ROWS):
         for r in range(ROWS):
             gate[r] = 0.0
@@ -76,5 +80,5 @@ def forward(x, g, w, *, eps):
     check_shapes(x, g, w)
     F = w.shape[0] // 2
     y = runtime.empty((x.shape[0], F), x.dtype)
-    runtime.launch(_forward, F, THREADS, x, g, w, float32(eps), y)
+    runtime.launch(_forward, F, THREADS, x, g, w, float32(eps), y, overlap=True)
     return y, ()

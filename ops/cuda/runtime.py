@@ -81,13 +81,46 @@ DEFAULT_SHARED_LIMIT = 48 * 1024   # bytes of dynamic shared memory a kernel may
 _shared_limits: dict = {}          # compiled kernel -> the dynamic shared memory limit raised for it
 
 
-def launch(kernel, blocks, threads, *args, shared_bytes=0):
+def launch(kernel, blocks, threads, *args, shared_bytes=0, overlap=False):
     """kernel[blocks, threads](*args) on the current stream, with `shared_bytes` of dynamic shared
     memory. Above DEFAULT_SHARED_LIMIT, the compiled kernel's limit is raised first, once per kernel
-    and argument types."""
+    and argument types. With `overlap`, the kernel may start before the one ahead of it ends (see
+    "Overlapping kernels" below): it must call wait_for_previous() before it reads anything an
+    earlier kernel writes."""
     if shared_bytes > DEFAULT_SHARED_LIMIT and not SIMULATOR:
         _raise_shared_limit(kernel, args, shared_bytes)
-    kernel[blocks, threads, _Launch.stream, shared_bytes](*args)
+    if overlap and overlaps():
+        _launch_overlapped(kernel, blocks, threads, args, shared_bytes)
+    else:
+        kernel[blocks, threads, _Launch.stream, shared_bytes](*args)
+
+
+def _launch_overlapped(kernel, blocks, threads, args, shared_bytes: int) -> None:
+    """Numba's launch of the kernel compiled for `args`, with programmatic stream serialization on."""
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as core_launch
+
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    s = driver._to_core_stream(_Launch.stream)
+    kernel_args, written_back = [], []
+    for ty, value in zip(compiled.argument_types, args):
+        compiled._prepare_args(ty, value, s, written_back, kernel_args)
+    config = LaunchConfig(grid=blocks, block=threads, shmem_size=shared_bytes, programmatic_stream_serialization=True)
+    core_launch(s, config, compiled.library.get_cufunc().kernel, *kernel_args)
+
+
+_overlap: list = []   # [whether this process's GPU starts overlapped kernels], once asked
+
+
+def overlaps() -> bool:
+    """Whether `launch(..., overlap=True)` overlaps kernels here: a GPU of compute capability 9.0 or
+    later (programmatic dependent launch), not the simulator."""
+    if not _overlap:
+        try:
+            _overlap.append(not SIMULATOR and compute_capability() >= (9, 0))
+        except Exception:   # no GPU here (code compiled ahead for another machine)
+            return False
+    return _overlap[0]
 
 
 def _raise_shared_limit(kernel, args, shared_bytes: int) -> None:
@@ -387,6 +420,58 @@ else:
 
 def compute_capability() -> tuple[int, int]:
     return tuple(cuda.get_current_device().compute_capability)
+
+
+# ---------------------------------------------------------------- overlapping kernels
+# Programmatic dependent launch (compute capability 9.0 and later). A kernel launched with
+# `launch(..., overlap=True)` may be scheduled while the kernel ahead of it on the stream still
+# runs, once every block of that one has called let_next_start() (or ended). It may read what no
+# kernel in flight writes (the weights) at once; wait_for_previous() then blocks until the kernels
+# ahead of it have ended and their writes are visible, and only after it may it read their outputs
+# or write anything. A decoding step is a chain of small kernels each waiting on the last: each
+# asks for its weights to come into L2 (prefetch_l2, which holds no registers) before it waits, so
+# they come while the kernel ahead of it runs. Where kernels do not overlap (older GPUs, the
+# simulator) both calls compile to nothing.
+
+if SIMULATOR:
+    def wait_for_previous():
+        pass
+
+    def let_next_start():
+        pass
+
+    def prefetch_l2(arr, i):
+        pass
+else:
+    @intrinsic
+    def prefetch_l2(typingctx, arr, i):
+        """Ask for the 128-byte line holding element i of the contiguous array arr (counted from its
+        first element) to be brought into L2, holding no register while it comes."""
+        sig = types.void(arr, types.int64)
+
+        def codegen(context, builder, sig, args):
+            address = builder.ptrtoint(builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]]),
+                                       ir.IntType(64))
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]),
+                               "{ .reg .u64 g; cvta.to.global.u64 g, $0; prefetch.global.L2 [g]; }", "l",
+                               side_effect=True)
+            builder.call(asm, [address])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    def _grid_dependency_control(instruction):
+        @intrinsic
+        def control(typingctx):
+            def codegen(context, builder, sig, args):
+                if overlaps():
+                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), instruction, "~{memory}", side_effect=True)
+                    builder.call(asm, [])
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return control
+
+    wait_for_previous = _grid_dependency_control("griddepcontrol.wait;")
+    let_next_start = _grid_dependency_control("griddepcontrol.launch_dependents;")
 
 
 # ---------------------------------------------------------------- reductions

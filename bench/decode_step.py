@@ -1,0 +1,58 @@
+"""Where a decoding step's time goes on a GPU: the captured step replayed back to back (GPU time
+alone), and the step with its host work (the replay, the accepted counts and tokens copied back),
+for a `gpu`-preset model of random weights decoding plain (one token per row and step) at rows
+R, each row at position 200. With --ncu, three replays between profiler start and stop, for
+Nsight Compute to time each kernel (bench/ncu_kernels.py sums them):
+
+    python bench/decode_step.py [--rows R]
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
+        python bench/decode_step.py --ncu > kernels.csv && python bench/ncu_kernels.py kernels.csv 3
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from numba import cuda
+
+from nanoeuler_core.bench.generation import load_weights
+from nanoeuler_core.inference.decode import Sampling, decoder_for
+
+POSITION = 200   # where every row's next token goes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--ncu", action="store_true", help="profile three replays (run under ncu)")
+    args = parser.parse_args()
+    rows = args.rows
+    model, _ = load_weights("gpu", None, "cuda")
+    decoder = decoder_for(model, rows, False, Sampling(0.0), None)
+    prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 16).tolist()
+    decoder.generate([prompt] * rows, 32, list(range(rows)))   # compiles and captures the step
+    replay, be = decoder._replays[(rows, 1)], decoder.be
+    if args.ncu:
+        be.copy_(decoder.pos, np.full(rows, POSITION))
+        cuda.profile_start()
+        for _ in range(3):
+            replay()
+        be.synchronize()
+        cuda.profile_stop()
+        return
+    for label, step in (("replay", replay), ("step with host work", lambda: decoder._advance(rows, 1))):
+        times = []
+        for _ in range(7):
+            be.copy_(decoder.pos, np.full(rows, POSITION))
+            be.synchronize()
+            start = time.perf_counter()
+            for _ in range(50):
+                step()
+            be.synchronize()
+            times.append((time.perf_counter() - start) / 50)
+        print(f"{label}: {statistics.median(times) * 1e6:.1f} us a step ({rows} rows, median of 7 x 50 steps)")
+
+
+if __name__ == "__main__":
+    main()
