@@ -2,8 +2,9 @@
 # GPU figures of bench/RESULTS.md, in stages; logs under LOG_DIR. Run from the project's root on a
 # fresh GPU machine, with .whl/ beside it (bench/gpu_env.sh installs what the machine lacks).
 #   bash bench/run_gpu.sh [LOG_DIR] [tests] [training] [generation] [dist]
-#   tests:      every GPU test (pytest -m gpu), the selftest in bf16, and the bf16 training step against
-#               PyTorch (bf16 autocast, eager and torch.compile), with the per-op profile
+#   tests:      every GPU test (pytest -m gpu), the tensor-core tests (CI runs them under the simulator;
+#               here on the GPU), the selftest in bf16, and the bf16 training step against PyTorch
+#               (bf16 autocast, eager and torch.compile), with the per-op profile
 #   training:   per-kernel timings in bf16, the TF32 step, and 500 steps of bf16, fp32 and PyTorch bf16
 #               from the same weights and batches
 #   generation: a `gpu` model trained 300 steps, decoding tests and the decoding benchmark
@@ -32,6 +33,8 @@ for stage in $stages; do case $stage in
 tests)
     timeout 420 python3 -m pytest -q -o addopts="" -m gpu tests -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} -W ignore::numba.core.errors.NumbaPerformanceWarning \
         2>&1 | tail -n 25 | tee "$log_dir/tests.log"
+    timeout 120 python3 -m pytest -q -o addopts="" tests/test_tensor_cores.py -p no:cacheprovider 2>&1 | tail -n 3 \
+        | tee "$log_dir/tests_tensor_cores.log"
     timeout 200 $NE selftest --backend cuda --precision bf16 2>&1 | quiet | tee "$log_dir/selftest_bf16.log"
     timeout 240 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 --warmup 3 --profile \
         2>&1 | quiet | tee "$log_dir/bench_bf16.log"
