@@ -11,7 +11,7 @@ the call holds or where the row sits among them.
 
 At decoding's few rows these kernels are bound by latency, not bandwidth (the GPU reads a matrix of
 a few MB in a microsecond or two). Launched with overlap=True, each first asks for its weight rows
-to come into L2 (`prefetch_rows`, no registers held), then waits for the kernel ahead of it to end:
+to come into L2 (`prefetch_row`, no registers held), then waits for the kernel ahead of it to end:
 the weights come while that kernel runs, and the reads after the wait find them in L2.
 """
 
@@ -47,9 +47,8 @@ def block_total(partial, slot, r):
 
 
 @cuda.jit(device=True, inline=True)
-def prefetch_rows(w, first, n_rows):
-    """Ask for rows first .. first + n_rows - 1 of the contiguous matrix w to come into L2, a line
-    per thread."""
+def prefetch_row(w, row):
+    """Ask for row `row` of the contiguous matrix w to come into L2, a line per thread."""
     C = w.shape[1]
-    for line in range(cuda.threadIdx.x * LINE, n_rows * C, THREADS * LINE):
-        prefetch_l2(w, first * C + line)
+    for line in range(cuda.threadIdx.x * LINE, C, THREADS * LINE):
+        prefetch_l2(w, row * C + line)

@@ -6,7 +6,7 @@ float32 and accumulated in float32; y has r's storage."""
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, prefetch_rows, to_partials
+from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, prefetch_row, to_partials
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous
 from nanoeuler_ops.linear_residual import check_shapes
 
@@ -21,7 +21,7 @@ def _forward(x, w, res, y):
     dot = cuda.local.array(ROWS, float32)
     wc = cuda.local.array(UNROLL, float32)
     let_next_start()
-    prefetch_rows(w, o, 1)
+    prefetch_row(w, o)
     wait_for_previous()
     for r0 in range(0, N, ROWS):
         for r in range(ROWS):

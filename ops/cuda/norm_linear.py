@@ -12,7 +12,7 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, prefetch_rows, to_partials
+from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, prefetch_row, to_partials
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous
 from nanoeuler_ops.norm_linear import check_shapes
 
@@ -28,7 +28,7 @@ def _forward(x, g, w, eps, y):
     squares = cuda.local.array(ROWS, float32)
     wg = cuda.local.array(UNROLL, float32)
     let_next_start()
-    prefetch_rows(w, o, 1)
+    prefetch_row(w, o)
     wait_for_previous()
     for r0 in range(0, N, ROWS):
         for r in range(ROWS):
