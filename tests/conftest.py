@@ -21,17 +21,16 @@ if not _cuda_driver_present():
 os.environ.setdefault("NANOEULER_COMPILE_AHEAD", "0")
 
 
-def _simulator_blocks_wait_on_a_barrier() -> None:
+def _simulator_polls_politely() -> None:
     """Numba's CUDA simulator runs each CUDA thread of a block as a Python thread, and a manager
-    thread polls them, in a loop that never blocks, to release them together at syncthreads: it
-    keeps the GIL for a whole switch interval (5 ms) whenever it has it, and every barrier waits for
-    its next round. Here the block's threads meet at a barrier instead, released by the last of them
-    to arrive (threads that ended no longer count, as in the simulator), and the manager only waits
-    for them to end; an exception in one thread releases and stops the others, and is the one
-    raised. Same semantics as numba-cuda 0.30.4's BlockManager.run and BlockThread.syncthreads,
-    which this replaces; another numba-cuda keeps its own (correct, only slower)."""
+    thread polls them, in a loop that never blocks, to release them together at syncthreads. That
+    loop keeps the GIL for a whole switch interval (5 ms) whenever it has it, so every barrier and
+    every thread's turn waits for it: the simulated kernels ran 1.4x (compute-bound attention) to
+    5x (the barrier-bound sampling and reductions) slower than needed. This is numba-cuda 0.30.4's
+    BlockManager.run with one change: the manager yields the GIL (sleep(0)) after each round of
+    polling. Another numba-cuda keeps its own loop (correct, only slower)."""
     import importlib.metadata
-    import threading
+    import time
 
     import numpy as np
 
@@ -39,67 +38,41 @@ def _simulator_blocks_wait_on_a_barrier() -> None:
         return
     from numba.cuda.simulator import kernel
 
-    class Barrier:
-        """One block's syncthreads."""
-
-        def __init__(self, threads: int) -> None:
-            self.condition = threading.Condition()
-            self.live, self.waiting, self.generation = threads, 0, 0
-            self.failed = None   # the first thread that raised
-
-        def _release_if_all_here(self) -> None:
-            if self.waiting and self.waiting == self.live:
-                self.waiting, self.generation = 0, self.generation + 1
-                self.condition.notify_all()
-
-        def wait(self) -> None:
-            with self.condition:
-                if self.failed is not None:
-                    raise RuntimeError("abort flag set on syncthreads call")
-                self.waiting += 1
-                generation = self.generation
-                self._release_if_all_here()
-                while self.generation == generation and self.failed is None:
-                    self.condition.wait()
-                if self.failed is not None:
-                    raise RuntimeError("abort flag set on syncthreads clear")
-
-        def leave(self, failed: bool) -> None:
-            with self.condition:
-                self.live -= 1
-                if failed and self.failed is None:
-                    self.failed = threading.current_thread()
-                    self.condition.notify_all()
-                self._release_if_all_here()
-
     def run(self, grid_point, *args):
-        barrier = self.barrier = Barrier(int(np.prod(self._block_dim)))
-
-        def target():
-            failed = True
-            try:
+        threads, livethreads, blockedthreads = set(), set(), set()
+        for block_point in np.ndindex(*self._block_dim):
+            def target():
                 self._f(*args)
-                failed = False
-            finally:
-                barrier.leave(failed)
 
-        threads = [kernel.BlockThread(target, self, grid_point, block_point, self._debug)
-                   for block_point in np.ndindex(*self._block_dim)]
-        for t in threads:
+            t = kernel.BlockThread(target, self, grid_point, block_point, self._debug)
             t.start()
+            threads.add(t)
+            livethreads.add(t)
+        while livethreads:
+            for t in livethreads:
+                if t.syncthreads_blocked:
+                    blockedthreads.add(t)
+                elif t.exception:
+                    for t_other in threads:
+                        t_other.abort = True
+                        t_other.syncthreads_blocked = False
+                        t_other.syncthreads_event.set()
+                    raise t.exception[0].with_traceback(t.exception[1])
+            if livethreads == blockedthreads:
+                for t in blockedthreads:
+                    t.syncthreads_blocked = False
+                    t.syncthreads_event.set()
+                blockedthreads = set()
+            livethreads = {t for t in livethreads if t.is_alive()}
+            time.sleep(0)   # the one change: let the simulated threads run
         for t in threads:
-            t.join()
-        if barrier.failed is not None:
-            raise barrier.failed.exception[0].with_traceback(barrier.failed.exception[1])
-
-    def syncthreads(self):
-        self._manager.barrier.wait()
+            if t.exception:
+                raise t.exception[0].with_traceback(t.exception[1])
 
     kernel.BlockManager.run = run
-    kernel.BlockThread.syncthreads = syncthreads
 
 
-_simulator_blocks_wait_on_a_barrier()
+_simulator_polls_politely()
 
 
 @pytest.fixture(scope="session")
