@@ -31,10 +31,17 @@ NE="python3 -m nanoeuler_core.cli"
 
 for stage in $stages; do case $stage in
 tests)
-    timeout 420 python3 -m pytest -q -o addopts="" -m gpu tests -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} -W ignore::numba.core.errors.NumbaPerformanceWarning \
-        2>&1 | tail -n 25 | tee "$log_dir/tests.log"
-    timeout 120 python3 -m pytest -q -o addopts="" tests/test_tensor_cores.py -p no:cacheprovider 2>&1 | tail -n 3 \
-        | tee "$log_dir/tests_tensor_cores.log"
+    # four processes at once: the GPU tests spend most of their time compiling kernels, on the CPU
+    # (tests/test_tensor_cores.py runs whole: CI runs it under the simulator, here on the GPU)
+    groups=("-m gpu tests/test_cuda.py" "-m gpu tests/test_cuda_model.py tests/test_model.py tests/test_eval.py tests/test_interop.py"
+            "-m gpu tests/test_generate_gpu.py tests/test_generate.py tests/test_distributed.py" "tests/test_tensor_cores.py")
+    for i in "${!groups[@]}"; do
+        timeout 480 python3 -m pytest -q -o addopts="" ${groups[$i]} -p no:cacheprovider \
+            ${TESTS_K:+-k "$TESTS_K"} -W ignore::numba.core.errors.NumbaPerformanceWarning --durations=5 \
+            > "$log_dir/tests_$i.log" 2>&1 &
+    done
+    wait
+    tail -n 20 "$log_dir"/tests_*.log
     timeout 200 $NE selftest --backend cuda --precision bf16 2>&1 | quiet | tee "$log_dir/selftest_bf16.log"
     timeout 240 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 --warmup 3 --profile \
         2>&1 | quiet | tee "$log_dir/bench_bf16.log"
