@@ -7,7 +7,8 @@
 #               (bf16 autocast, eager and torch.compile), with the per-op profile
 #   training:   per-kernel timings in bf16, the TF32 step, and 500 steps of bf16, fp32 and PyTorch bf16
 #               from the same weights and batches
-#   generation: a `gpu` model trained 300 steps, decoding tests and the decoding benchmark
+#   generation: a `gpu` model trained 300 steps (GEN_STEPS), decoding tests and the decoding benchmark
+#               (batch 1 against PyTorch, 8 and 32)
 #   dist:       the NCCL communicator and the captured step with the all-reduce inside (one rank)
 #   attention:  the attention tests on the GPU, its kernels against SDPA, and (where ncu runs) their hardware
 #               counters
@@ -55,12 +56,16 @@ training)
 generation)
     run_dir=/tmp/nanoeuler-gen/run
     rm -rf /tmp/nanoeuler-gen
-    timeout 150 $NE pretrain --preset gpu --backend cuda --steps 300 --batch-size 16 --eval-every 100 --ckpt-every 300 \
-        --sample-prompt "ROMEO:" --out "$run_dir" 2>&1 | tail -n 8 | tee "$log_dir/pretrain_gpu.log"
+    steps=${GEN_STEPS:-300}
+    timeout $((120 + steps / 10)) $NE pretrain --preset gpu --backend cuda --steps "$steps" --batch-size 16 \
+        --eval-every $((steps / 3)) --ckpt-every "$steps" --sample-prompt "ROMEO:" --out "$run_dir" 2>&1 | tail -n 8 \
+        | tee "$log_dir/pretrain_gpu.log"
     timeout 200 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 1 --prompt-tokens 16 \
         --new-tokens 256 2>&1 | quiet | tee "$log_dir/generate_b1.log"
     timeout 120 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 8 --prompt-tokens 16 \
         --new-tokens 256 --no-peers 2>&1 | quiet | tee "$log_dir/generate_b8.log"
+    timeout 120 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 32 --prompt-tokens 16 \
+        --new-tokens 256 --no-peers 2>&1 | quiet | tee "$log_dir/generate_b32.log"
     timeout 200 python3 -m pytest -q -o addopts="" -m gpu tests/test_generate_gpu.py -p no:cacheprovider \
         -W ignore::numba.core.errors.NumbaPerformanceWarning 2>&1 | tail -n 8 | tee "$log_dir/generate_tests.log"
     ;;
