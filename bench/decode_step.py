@@ -1,7 +1,9 @@
 """Where a decoding step's time goes on a GPU: the captured step replayed back to back (GPU time
 alone), and the step with its host work (the replay, the accepted counts and tokens copied back),
 for a `gpu`-preset model of random weights decoding plain (one token per row and step) at rows
-R, each row at position 200. With --ncu, three replays between profiler start and stop, for
+R, each row at position 200; then a whole `generate` call of one new token (the prompt's prefill
+and the first token: what a call costs outside its steps), with --host-profile its Python
+profile. With --ncu, three replays between profiler start and stop, for
 Nsight Compute to time each kernel (bench/ncu_kernels.py sums them):
 
     python bench/decode_step.py [--rows R]
@@ -10,6 +12,8 @@ Nsight Compute to time each kernel (bench/ncu_kernels.py sums them):
 """
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -26,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--ncu", action="store_true", help="profile three replays (run under ncu)")
+    parser.add_argument("--host-profile", action="store_true", help="the Python profile of a one-token call")
     args = parser.parse_args()
     rows = args.rows
     model, _ = load_weights("gpu", None, "cuda")
@@ -52,6 +57,20 @@ def main() -> None:
             be.synchronize()
             times.append((time.perf_counter() - start) / 50)
         print(f"{label}: {statistics.median(times) * 1e6:.1f} us a step ({rows} rows, median of 7 x 50 steps)")
+    seeds = list(range(rows))
+    for length in (16, 512 - 1):
+        long = np.resize(prompt, length).tolist()
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            decoder.generate([long] * rows, 1, seeds)
+            be.synchronize()
+            times.append(time.perf_counter() - start)
+        print(f"generate, {length}-token prompt, 1 new token: {statistics.median(times) * 1e3:.2f} ms (median of 7)")
+    if args.host_profile:
+        profile = cProfile.Profile()
+        profile.runcall(decoder.generate, [prompt] * rows, 1, seeds)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":

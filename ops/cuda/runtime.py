@@ -24,6 +24,7 @@ import numba
 import numpy as np
 from numba import cuda, float32, float64, types, uint16, uint32, uint64
 from numba.cuda.cudadrv import driver
+from numba.cuda.cudadrv import devicearray
 
 from nanoeuler_core.registry import bf16_bits, bf16_values  # noqa: F401  (the backend converts with them)
 
@@ -89,24 +90,65 @@ def launch(kernel, blocks, threads, *args, shared_bytes=0, overlap=False):
     earlier kernel writes."""
     if shared_bytes > DEFAULT_SHARED_LIMIT and not SIMULATOR:
         _raise_shared_limit(kernel, args, shared_bytes)
-    if overlap and overlaps():
-        _launch_overlapped(kernel, blocks, threads, args, shared_bytes)
-    else:
+    if SIMULATOR:
         kernel[blocks, threads, _Launch.stream, shared_bytes](*args)
+    else:
+        _launch(kernel, blocks, threads, args, shared_bytes, overlap and overlaps())
 
 
-def _launch_overlapped(kernel, blocks, threads, args, shared_bytes: int) -> None:
-    """Numba's launch of the kernel compiled for `args`, with programmatic stream serialization on."""
+_compiled: dict = {}         # (kernel, its arguments' kinds) -> (compiled kernel, argument types, driver kernel)
+_launch_configs: dict = {}   # (blocks, threads, shared bytes, overlap) -> cuda.core LaunchConfig
+_core_stream: list = [None, None]   # the stream launched on last, and its cuda.core Stream
+
+
+def _argument_kind(kernel, a):
+    """What Numba types a kernel argument by: a device array's dtype, rank and layout, a scalar's
+    Python type; anything else, its Numba type."""
+    if isinstance(a, devicearray.DeviceNDArray):
+        flags = a.flags
+        return a.dtype, a.ndim, flags["C_CONTIGUOUS"], flags["F_CONTIGUOUS"], 0 in a.strides
+    if isinstance(a, (int, float, np.generic)):
+        return type(a)
+    return kernel.typeof_pyval(a)
+
+
+def _compiled_for(kernel, args) -> tuple:
+    """(compiled kernel, its argument types, its driver kernel) for `args`, compiled on first use."""
+    key = (kernel, tuple(_argument_kind(kernel, a) for a in args))
+    entry = _compiled.get(key)
+    if entry is None:
+        compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+        entry = _compiled[key] = (compiled, compiled.argument_types, compiled.library.get_cufunc().kernel)
+    return entry
+
+
+def _launch(kernel, blocks, threads, args, shared_bytes: int, overlap: bool) -> None:
+    """Numba's launch of the kernel compiled for `args` (with `overlap`, programmatic stream
+    serialization on), lean on the host: eager launches (a prompt's prefill, an uncaptured step)
+    pay this each time, so the compiled kernel, the launch configuration and the stream are looked
+    up once, and device arrays are packed directly as Numba's kernel ABI takes them (meminfo,
+    parent, size, itemsize, data, shape, strides)."""
     from cuda.core import LaunchConfig
     from cuda.core import launch as core_launch
 
-    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    s = driver._to_core_stream(_Launch.stream)
-    kernel_args, written_back = [], []
-    for ty, value in zip(compiled.argument_types, args):
-        compiled._prepare_args(ty, value, s, written_back, kernel_args)
-    config = LaunchConfig(grid=blocks, block=threads, shmem_size=shared_bytes, programmatic_stream_serialization=True)
-    core_launch(s, config, compiled.library.get_cufunc().kernel, *kernel_args)
+    compiled, argument_types, function = _compiled_for(kernel, args)
+    if _core_stream[0] is not _Launch.stream:
+        _core_stream[:] = _Launch.stream, driver._to_core_stream(_Launch.stream)
+    core_stream = _core_stream[1]
+    config = _launch_configs.get((blocks, threads, shared_bytes, overlap))
+    if config is None:
+        config = _launch_configs[(blocks, threads, shared_bytes, overlap)] = LaunchConfig(
+            grid=blocks, block=threads, shmem_size=shared_bytes, programmatic_stream_serialization=overlap)
+    packed, written_back = [], []
+    for ty, value in zip(argument_types, args):
+        if isinstance(value, devicearray.DeviceNDArray):
+            packed += (0, 0, value.size, value.dtype.itemsize, value.device_ctypes_pointer.value or 0,
+                       *value.shape, *value.strides)
+        else:
+            compiled._prepare_args(ty, value, core_stream, written_back, packed)
+    core_launch(core_stream, config, function, *packed)
+    for write_back in written_back:   # host arrays passed in: copied back, as Numba's launch does
+        write_back()
 
 
 _overlap: list = []   # [whether this process's GPU starts overlapped kernels], once asked
@@ -126,7 +168,7 @@ def overlaps() -> bool:
 def _raise_shared_limit(kernel, args, shared_bytes: int) -> None:
     """Let the kernel compiled for `args` take `shared_bytes` of dynamic shared memory (the
     driver's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
-    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    compiled = _compiled_for(kernel, args)[0]
     if _shared_limits.get(compiled, DEFAULT_SHARED_LIMIT) >= shared_bytes:
         return
     from cuda.bindings import driver as cu   # the driver API numba-cuda itself runs on
