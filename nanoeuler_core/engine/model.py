@@ -142,12 +142,11 @@ class Model:
         self.master = self._views(self.flat)
         self.weights = self._views(self.compute_flat)
         self.grads = self._views(self.grad_flat)
-        self.layers = self.block_weights(self.compute_flat)
+        self.forward_weights = self.weight_set(self.compute_flat)
+        self.layers, self.next_norms = self.forward_weights.layers, self.forward_weights.next_norms
         self.layer_grads = self.block_weights(self.grad_flat)
         heads = [f"heads.{j}" for j in range(cfg.n_mtp)]
         self.heads, self.head_grads = self.stacked(self.compute_flat, heads), self.stacked(self.grad_flat, heads)  # (K V, C)
-        # the norm after each block: the next block's attn_norm, the final norm after the last
-        self.next_norms = [L.attn_norm for L in self.layers[1:]] + [self.weights["norm"]]
         self.next_norm_grads = [G.attn_norm for G in self.layer_grads[1:]] + [self.grads["norm"]]
 
     # ----------------------------------------------------------------------------------------
@@ -202,6 +201,14 @@ class Model:
                 block[stack] = self.stacked(flat, [prefix + n for n in names])
             blocks.append(SimpleNamespace(**block))
         return blocks
+
+    def weight_set(self, flat) -> SimpleNamespace:
+        """What the blocks' forward reads, as views of `flat` (the master weights or a bf16 copy):
+        the embedding table, each block's tensors (block_weights), and the norm after each block
+        (the next block's attn_norm, the final norm after the last)."""
+        views, layers = self._views(flat), self.block_weights(flat)
+        return SimpleNamespace(tok_emb=views["tok_emb"], layers=layers,
+                               next_norms=[L.attn_norm for L in layers[1:]] + [views["norm"]])
 
     @property
     def params(self) -> dict[str, np.ndarray]:
@@ -322,27 +329,39 @@ class Model:
     # ----------------------------------------------------------------------------------------
     # forward
 
-    def _forward(self, ids, B: int, T: int, keep: str | None = None):
+    def _forward(self, ids, B: int, T: int, keep: str | None = None, weights=None, on_block=None):
         """ids (N,) on the backend -> final hidden state (N, C) (after the final norm), what each
         block keeps for its backward (keep="cache": its BlockCache; "input": its BlockInput alone,
-        for recomputation; None: nothing), and the first norm's input and rstd."""
-        f, eps = self.ops, self.cfg.norm_eps
-        x, _ = f.embedding.forward(ids, self.weights["tok_emb"])
-        h_attn, (rstd,) = f.rmsnorm.forward(x, self.layers[0].attn_norm, eps=eps)
+        for recomputation; None: nothing), and the first norm's input and rstd. `weights`: a
+        weight_set (default: the model's compute weights); on_block(i, BlockCache) runs after
+        block i."""
+        f, eps, w = self.ops, self.cfg.norm_eps, weights or self.forward_weights
+        x, _ = f.embedding.forward(ids, w.tok_emb)
+        h_attn, (rstd,) = f.rmsnorm.forward(x, w.layers[0].attn_norm, eps=eps)
         first_saved = (x, rstd)
         kept = []
         for i in range(self.cfg.n_layers):
             block_input = BlockInput(x, h_attn)
-            x, h_attn, cache = self._block_forward(i, block_input, B, T)
+            x, h_attn, cache = self._block_forward(i, block_input, B, T, w)
             if keep is not None:
                 kept.append(cache if keep == "cache" else block_input)
+            if on_block is not None:
+                on_block(i, cache)
             del cache   # unless kept, a block's cache is gone before the next block runs
         return h_attn, kept, first_saved
 
-    def _block_forward(self, i: int, inp: BlockInput, B: int, T: int):
+    def run_blocks(self, ids, T: int, weights, on_block) -> None:
+        """One row's tokens ids (T,) on the backend, from position 0, through the blocks with
+        `weights` (a weight_set), calling on_block(i, BlockCache) after block i: how decoding
+        prefills a prompt (matrix products over the whole prompt), taking each block's keys and
+        values and the last block's output from its cache."""
+        self._forward(ids, 1, T, weights=weights, on_block=on_block)
+
+    def _block_forward(self, i: int, inp: BlockInput, B: int, T: int, weights=None):
         """Block i from its input -> the next block's input x (N, C), its normalised copy h (the
         next block's attn_norm, or the final norm, applied), and what the block's backward needs."""
-        cfg, f, L = self.cfg, self.ops, self.layers[i]
+        w = weights or self.forward_weights
+        cfg, f, L = self.cfg, self.ops, w.layers[i]
         N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         # attention Euler step: x_mid = x + wo(attention(rope(q), rope(k), v)), h_attn = rmsnorm(x)
         qkv, _ = f.linear.forward(inp.h_attn, L.wqkv)
@@ -356,7 +375,7 @@ class Model:
         act, _ = f.swiglu.forward(gate_up)
         ffn_out, _ = f.linear.forward(act, L.w_down)
         # the step's residual add with the next norm: the next block's input and its normalised copy
-        (x_out, h_next), out_saved = f.add_rmsnorm.forward(x_mid, ffn_out, self.next_norms[i], eps=eps)
+        (x_out, h_next), out_saved = f.add_rmsnorm.forward(x_mid, ffn_out, w.next_norms[i], eps=eps)
         return x_out, h_next, BlockCache(inp.h_attn, qkv, q, k, v, attn_saved, ffn_saved, h_ffn, gate_up, act, out_saved)
 
     def _upload_ids(self, inputs):

@@ -12,7 +12,9 @@ position, RNG counter, seed and sampling settings (B,), and the proposals' distr
 
 so the backend captures it once (a CUDA graph on the GPU) and replays it; only the accepted
 counts and the next tokens come back to the host each step. The prompt is prefilled in one pass
-per row (not captured: its length varies).
+per row by the model's own forward (the training ops: matrix products over the whole prompt,
+attention over its tokens), which writes each block's keys and values into the row's cache; it is
+not captured (its length varies).
 
 Plain decoding feeds one token per row and step, and uses head 0. Speculative decoding with k
 proposals (k < K = n_mtp heads) feeds the k + 1 tokens [next, proposal 1, ..., proposal k], where
@@ -41,10 +43,12 @@ timings or the acceptance, so a sampled row's tokens depend only on its seed, as
 mode. Until the steps over n rows are measured, steps over n rows run that width too.
 
 Batch invariance. Every decoding op computes a row with the same operations in the same order
-whatever the batch, the number of tokens fed with it, or its place among them. So a token's
-logits are bit for bit the same decoded alone, in a batch, after a one-pass prefill, or among
-speculative proposals: greedy speculative output equals plain greedy output exactly, and a row
-of a batch equals the same prompt decoded alone (sampling too: each row has its own RNG stream).
+whatever the batch, the number of tokens fed with it, or its place among them, and a prompt is
+prefilled for its row alone. So a token's logits are bit for bit the same decoded alone, in a
+batch, or among speculative proposals: greedy speculative output equals plain greedy output
+exactly, and a row of a batch equals the same prompt decoded alone (sampling too: each row has
+its own RNG stream). (The prefill's products round as the training forward's do, not as a
+token-by-token pass would: the cache it leaves is the full forward's.)
 
 Rows. `generate` decodes a batch of prompts to the end. A server drives the rows one at a time
 instead (continuous batching): `admit` starts a free row on a prompt with its own seed and sampling
@@ -243,7 +247,8 @@ class Decoder:
                 self.be.copy_(flat, m.flat)
         self.w = SimpleNamespace(tok_emb=m.master["tok_emb"], norm=m.master["norm"],
                                  heads=m.stacked(flat, [f"heads.{j}" for j in range(self.K)]))
-        self.layers = m.block_weights(flat)
+        self.forward_weights = m.weight_set(flat)   # the prefill's (the model's forward)
+        self.layers = self.forward_weights.layers
 
     # ----------------------------------------------------------------------------------------
     # the forward
@@ -288,18 +293,28 @@ class Decoder:
         return self._sample(x, n, W, self._state(0, n, W))
 
     def _prefill(self, b: int, ids: list[int], generated: int) -> None:
-        """Fill row b's cache with `ids` from position 0 in one pass and draw its next token (and
-        proposals, at the current width); `generated` tokens of the row came before (its RNG counter
-        goes on from there)."""
-        be, rows, T = self.be, slice(b, b + 1), len(ids)
+        """Fill row b's cache with `ids` from position 0 in one pass of the model's forward (its
+        matrix products over the whole prompt, in the decoding weights' precision) and draw its
+        next token (and proposals, at the current width); `generated` tokens of the row came before
+        (its RNG counter goes on from there)."""
+        be, T = self.be, len(ids)
         state = self._state(b, 1, self.width)
         counters, pos = state[3:5]
-        be.copy_(pos, np.zeros(1, dtype=np.int64))
-        x = self._hidden(be.asarray(np.asarray(ids, dtype=np.int64)), 1, T, [(k[rows], v[rows]) for k, v in self.caches],
-                         pos)
+        last = be.zeros((1, self.cfg.dim))   # the last block's output at the last token, in float32
+
+        def keep_keys_values(i, block):
+            k_cache, v_cache = self.caches[i]
+            be.copy_(k_cache[b, :T], block.k[0])
+            be.copy_(v_cache[b, :T], block.v[0])
+            if i == self.cfg.n_layers - 1:
+                be.copy_(last, block.out_saved[0][T - 1:T])
+
+        with be.computing(registry.precision(self.weights)):
+            self.model.run_blocks(be.asarray(np.asarray(ids, dtype=np.int64)), T, self.forward_weights,
+                                  keep_keys_values)
         be.copy_(pos, np.array([T - 1], dtype=np.int64))
         be.copy_(counters, np.array([generated - 1], dtype=np.int64))
-        self._sample(x[T - 1:T], 1, 1, state)
+        self._sample(last, 1, 1, state)
         self._pending[b, :self.width] = np.array(be.to_host(state[0]))[0]
 
     def _advance(self, n: int, W: int) -> tuple[np.ndarray, np.ndarray]:
