@@ -70,7 +70,8 @@ def main() -> None:
     if args.host_profile:
         profile = cProfile.Profile()
         profile.runcall(decoder.generate, [prompt] * rows, 1, seeds)
-        pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(profile).sort_stats(order).print_stats(45)
 
 
 if __name__ == "__main__":
