@@ -103,12 +103,14 @@ _core_stream: list = [None, None]   # the stream launched on last, and its cuda.
 
 def _argument_kind(kernel, a):
     """What Numba types a kernel argument by: a device array's dtype, rank and layout, a scalar's
-    Python type; anything else, its Numba type."""
+    Python type, a tuple's items'; anything else, its Numba type."""
     if isinstance(a, devicearray.DeviceNDArray):
         flags = a.flags
         return a.dtype, a.ndim, flags["C_CONTIGUOUS"], flags["F_CONTIGUOUS"], 0 in a.strides
     if isinstance(a, (int, float, np.generic)):
         return type(a)
+    if isinstance(a, tuple):
+        return tuple, tuple(_argument_kind(kernel, item) for item in a)
     return kernel.typeof_pyval(a)
 
 
