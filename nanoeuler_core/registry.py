@@ -161,6 +161,7 @@ class Backend:
     implements: tuple[str, ...] = ("fp32",)   # the precisions it has kernels for (`precisions`: those it runs here)
     ground_truth = False              # runs the ops' own float64 references: what the others are checked against
     multi_token_step_cheap = False    # a decoding step over K tokens costs about one over 1 token
+    captures = False                  # `capture` records work once and replays it for less than running it
     peer_device = "cpu"               # the PyTorch device a peer benchmark of this backend runs on
 
     def available(self) -> bool:

@@ -13,8 +13,9 @@ position, RNG counter, seed and sampling settings (B,), and the proposals' distr
 so the backend captures it once (a CUDA graph on the GPU) and replays it; only the accepted
 counts and the next tokens come back to the host each step. The prompt is prefilled in one pass
 per row by the model's own forward (the training ops: matrix products over the whole prompt,
-attention over its tokens), which writes each block's keys and values into the row's cache; it is
-not captured (its length varies).
+attention over its tokens), whose keys and values are copied into the row's cache. Where the
+backend captures work, the prompt is padded to a power of two and the forward of each such length
+is captured once and replayed (a prefill is then one launch, not hundreds).
 
 Plain decoding feeds one token per row and step, and uses head 0. Speculative decoding with k
 proposals (k < K = n_mtp heads) feeds the k + 1 tokens [next, proposal 1, ..., proposal k], where
@@ -94,6 +95,7 @@ DECODE_OPS = ("embedding", "norm_linear", "decode_attention", "linear_residual",
 WEIGHT_OPS = ("norm_linear", "linear_residual", "norm_swiglu")   # the decoding ops that read bf16 weights
 MAX_SEED = 2**62          # row seeds live in [0, MAX_SEED) (the sample op's RNG key)
 DECODERS_PER_MODEL = 4    # decoders (KV caches, captured graphs) kept per model for later calls
+PREFILL_MIN = 16          # the shortest prefill a backend that captures runs (shorter prompts are padded)
 SPECULATION_MARGIN = 1.05   # a wider step must promise this much more than plain's tokens per second
                             # (its time and plain's are measured, with some noise) for the policy to take it
 
@@ -208,6 +210,7 @@ class Decoder:
         self.width = K                               # tokens per row in the device's token block
         self._pending = np.zeros((B, K), dtype=np.int64)   # per row: its next token (already kept), then proposals
         self._replays = {}                           # (rows computed, width) -> the captured step
+        self._prefills, self._prefill_ids = {}, {}   # prefill length -> its captured forward, its ids buffer
         self.step_seconds: dict[tuple[int, int], float] = {}   # (rows computed, width) -> a step's seconds
         # counted over the decoder's life (DecodeStats; the policy's acceptance): proposal j offered (the
         # j - 1 before it kept) and kept, at offered[j - 1] and kept[j - 1]
@@ -292,26 +295,54 @@ class Decoder:
         x = self._hidden(self.tokens[:n * W], n, W, [(k[:n], v[:n]) for k, v in self.caches], self.pos[:n])
         return self._sample(x, n, W, self._state(0, n, W))
 
+    def _prefill_length(self, T: int) -> int:
+        """The tokens a prefill of T runs over: where the backend captures work, T padded to a power of
+        two (at least PREFILL_MIN, at most the context), one captured forward per such length; else T."""
+        if not (self.capture and self.be.captures):
+            return T
+        return min(self.cfg.ctx_len, max(PREFILL_MIN, 1 << (T - 1).bit_length()))
+
+    def _prefill_forward(self, P: int):
+        """The model's forward over the P tokens of the prefill buffer: each block's keys and values
+        (1, P, KV, D) and the last block's output (P, C). Captured once per P where the backend
+        captures (the padding past a prompt's T tokens changes none of the first T: attention is
+        causal), then replayed."""
+        run = self._prefills.get(P)
+        if run is not None:
+            return run()
+        ids = self._prefill_ids[P]
+
+        def forward():
+            blocks = []
+            with self.be.computing(registry.precision(self.weights)):
+                self.model.run_blocks(ids, P, self.forward_weights,
+                                      lambda i, block: blocks.append((block.k, block.v, block.out_saved[0])))
+            return [(k, v) for k, v, _ in blocks], blocks[-1][2]
+
+        run, result = self.be.capture(forward) if self.capture else (forward, forward())
+        self._prefills[P] = run
+        return result
+
     def _prefill(self, b: int, ids: list[int], generated: int) -> None:
         """Fill row b's cache with `ids` from position 0 in one pass of the model's forward (its
         matrix products over the whole prompt, in the decoding weights' precision) and draw its
         next token (and proposals, at the current width); `generated` tokens of the row came before
         (its RNG counter goes on from there)."""
         be, T = self.be, len(ids)
+        P = self._prefill_length(T)
+        if P not in self._prefill_ids:
+            self._prefill_ids[P] = be.zeros((P,), dtype=np.int64)
+        padded = np.zeros(P, dtype=np.int64)
+        padded[:T] = ids
+        be.copy_(self._prefill_ids[P], padded)
+        keys_values, out = self._prefill_forward(P)
+        for (k_cache, v_cache), (k, v) in zip(self.caches, keys_values):
+            be.copy_(k_cache[b, :T], k[0, :T])
+            be.copy_(v_cache[b, :T], v[0, :T])
+        last = be.zeros((1, self.cfg.dim))   # the last block's output at the last token, in float32
+        be.copy_(last, out[T - 1:T])
         state = self._state(b, 1, self.width)
         counters, pos = state[3:5]
-        last = be.zeros((1, self.cfg.dim))   # the last block's output at the last token, in float32
-
-        def keep_keys_values(i, block):
-            k_cache, v_cache = self.caches[i]
-            be.copy_(k_cache[b, :T], block.k[0])
-            be.copy_(v_cache[b, :T], block.v[0])
-            if i == self.cfg.n_layers - 1:
-                be.copy_(last, block.out_saved[0][T - 1:T])
-
-        with be.computing(registry.precision(self.weights)):
-            self.model.run_blocks(be.asarray(np.asarray(ids, dtype=np.int64)), T, self.forward_weights,
-                                  keep_keys_values)
         be.copy_(pos, np.array([T - 1], dtype=np.int64))
         be.copy_(counters, np.array([generated - 1], dtype=np.int64))
         self._sample(last, 1, 1, state)

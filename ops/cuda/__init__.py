@@ -26,6 +26,7 @@ class CudaBackend(Backend):
     install_hint = "it needs an NVIDIA GPU and pip install 'nanoeuler[cuda]'"
     implements = ("fp32", "tf32", "bf16")   # tf32 and bf16 where the GPU has tensor cores
     multi_token_step_cheap = True   # reading the weights dominates a step: K tokens cost about what 1 does
+    captures = True                 # a CUDA graph: one launch for the kernels of a step or a prefill
     peer_device = "cuda"
 
     def __init__(self) -> None:
