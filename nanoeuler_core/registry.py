@@ -301,6 +301,11 @@ class Backend:
         of calls on one token's data, where waking a thread pool costs more than the work."""
         return nullcontext()
 
+    def parallel(self):
+        """Inside a `serial` block, a block whose kernels use the threads again (a prompt's prefill:
+        products over the whole prompt)."""
+        return nullcontext()
+
 
 @dataclass
 class Op:

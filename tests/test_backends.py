@@ -104,3 +104,22 @@ def test_a_package_adds_a_backend_and_kernels_through_entry_points(monkeypatch):
     assert reg.backend("minimal") is MINIMAL
     assert reg.contributed_kernels("minimal") == ["minimal_kernels"]
     assert set(reg.backends()) >= {"reference", "cpu", "minimal"}
+
+
+def test_cpu_threads_serial_for_steps_and_parallel_for_a_prefill_inside():
+    """Decoding runs its steps in `serial` (one thread) and a prompt's prefill in `parallel` inside it:
+    the thread count before the outermost serial block comes back, and each block restores its own."""
+    import numba
+
+    be, threads = registry.backend("cpu"), numba.get_num_threads()
+    with be.serial():
+        assert numba.get_num_threads() == 1
+        with be.parallel():
+            assert numba.get_num_threads() == threads
+            with be.serial():
+                assert numba.get_num_threads() == 1
+            assert numba.get_num_threads() == threads
+        assert numba.get_num_threads() == 1
+    assert numba.get_num_threads() == threads
+    with be.parallel():   # outside any serial block: nothing changes
+        assert numba.get_num_threads() == threads

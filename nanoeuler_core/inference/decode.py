@@ -314,7 +314,7 @@ class Decoder:
 
         def forward():
             blocks = []
-            with self.be.computing(registry.precision(self.weights)):
+            with self.be.parallel(), self.be.computing(registry.precision(self.weights)):
                 self.model.run_blocks(ids, P, self.forward_weights,
                                       lambda i, block: blocks.append((block.k, block.v, block.out_saved[0])))
             return [(k, v) for k, v, _ in blocks], blocks[-1][2]

@@ -2,6 +2,7 @@
 cached on disk so each signature compiles once per machine. Kernels: `nanoeuler_ops.cpu.<op>`."""
 
 import os
+import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -14,6 +15,9 @@ class CpuBackend(HostBackend):
     dtype = np.float32
     kernel_packages = ("nanoeuler_ops.cpu",)
 
+    def __init__(self) -> None:
+        self._outside_serial: dict[int, int] = {}   # thread id -> its thread count before its first serial block
+
     def kernel_cache_cold(self) -> bool:
         # judged by two kernels every run compiles: AdamW's update and the sampler (Numba's index files)
         from nanoeuler_ops.cpu import adamw, sample
@@ -25,14 +29,30 @@ class CpuBackend(HostBackend):
 
     @contextmanager
     def serial(self):
+        yield from self._threads(1)
+
+    @contextmanager
+    def parallel(self):
         import numba
 
-        threads = numba.get_num_threads()
-        numba.set_num_threads(1)  # thread-local: other threads keep their setting
+        yield from self._threads(self._outside_serial.get(threading.get_ident(), numba.get_num_threads()))
+
+    def _threads(self, n: int):
+        # Numba's thread count for the calling thread (thread-local: other threads keep theirs), the
+        # count outside the outermost serial block remembered for `parallel`
+        import numba
+
+        threads, me = numba.get_num_threads(), threading.get_ident()
+        outermost = me not in self._outside_serial
+        if outermost:
+            self._outside_serial[me] = threads
+        numba.set_num_threads(n)
         try:
             yield
         finally:
             numba.set_num_threads(threads)
+            if outermost:
+                del self._outside_serial[me]
 
 
 BACKEND = CpuBackend()
