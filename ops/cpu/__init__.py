@@ -1,6 +1,7 @@
 """The CPU backend: float32 NumPy arrays, kernels compiled by Numba (`@njit(parallel=True)`),
 cached on disk so each signature compiles once per machine. Kernels: `nanoeuler_ops.cpu.<op>`."""
 
+import ctypes
 import os
 import threading
 from contextlib import contextmanager
@@ -28,6 +29,11 @@ class CpuBackend(HostBackend):
             return False
 
     @contextmanager
+    def computing(self, precision):
+        _keep_freed_memory()
+        yield
+
+    @contextmanager
     def serial(self):
         yield from self._threads(1)
 
@@ -53,6 +59,27 @@ class CpuBackend(HostBackend):
             numba.set_num_threads(threads)
             if outermost:
                 del self._outside_serial[me]
+
+
+_ALLOCATOR: list = []   # [whether glibc's malloc was told to keep freed memory], once done
+
+
+def _keep_freed_memory() -> None:
+    """Have glibc's malloc serve large blocks from its heap and keep what is freed there, once per
+    process, before the first computation. By default a block over 128 KB (up to 32 MB as the
+    threshold adapts) is mapped fresh and unmapped when freed, so every step's activations (a
+    `cpu-medium` step makes hundreds of MB) fault in new zeroed pages; kept, the next step reuses
+    them. The process then holds its peak memory, as PyTorch's caching allocators do on GPUs."""
+    if _ALLOCATOR:
+        return
+    _ALLOCATOR.append(True)
+    try:
+        libc = ctypes.CDLL(None)
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameters
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+        libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)   # (an int: 2 GB)
+    except (OSError, AttributeError):   # not glibc (macOS, musl): its allocator as it is
+        pass
 
 
 BACKEND = CpuBackend()
