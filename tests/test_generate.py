@@ -322,3 +322,20 @@ def test_generate_command(tok, tmp_path):
         assert result.exit_code != 0 and message in str(result.exception)
     long = runner.invoke(app, ["generate", str(run), "word " * 60])
     assert long.exit_code != 0 and "longer than the model's context" in str(long.exception)
+
+
+def test_warm_up_captures_every_prefill_length(cycle_model, monkeypatch):
+    """Where the backend captures, `warm_up` also captures the prefill of every length a prompt is
+    padded to (here 16 and the context, 24), so that no prompt pays for a capture later; padded
+    prompts decode as unpadded ones do."""
+    model = on_backend(cycle_model, "cpu")
+    unpadded = decode(model, PROMPTS, 8, speculative=False)   # the CPU backend does not capture
+    monkeypatch.setattr(type(model.backend), "captures", True)
+    captured = []
+    capture = model.backend.capture
+    monkeypatch.setattr(model.backend, "capture", lambda fn: captured.append(fn) or capture(fn))
+    decoder = Decoder(model, len(PROMPTS), speculative=False)
+    decoder.warm_up()
+    after_warm_up = len(captured)
+    assert decoder.generate(PROMPTS, 8, list(range(len(PROMPTS)))) == unpadded
+    assert len(captured) == after_warm_up

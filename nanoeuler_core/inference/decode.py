@@ -499,12 +499,18 @@ class Decoder:
 
     def warm_up(self) -> None:
         """Compile and capture the step over every row count `step` may use (1, 2, 4, ..., batch), at
-        every width the policy may choose (timing them), so that no later step pays for it (a server
-        does this before its first request)."""
+        every width the policy may choose (timing them), and the prefill of every length a prompt
+        may be padded to, so that no later step or prompt pays for it (a server does this before its
+        first request)."""
         for n in self._row_counts():
             self.admit(n - 1, [0], 0, Sampling(0.0), 2)
             self.step()
             self.retire(n - 1)
+        if self.capture and self.be.captures:
+            ctx = self.cfg.ctx_len
+            for P in sorted({self._prefill_length(min(ctx, 1 << i)) for i in range(ctx.bit_length() + 1)}):
+                self.admit(0, [0] * P, 0, Sampling(0.0), 1)
+                self.retire(0)
         if self.policy:
             self.measure()
 
