@@ -210,7 +210,7 @@ class Decoder:
         self.width = K                               # tokens per row in the device's token block
         self._pending = np.zeros((B, K), dtype=np.int64)   # per row: its next token (already kept), then proposals
         self._replays = {}                           # (rows computed, width) -> the captured step
-        self._prefills, self._prefill_ids = {}, {}   # prefill length -> its captured forward, its ids buffer
+        self._prefills = {}                          # prefill length -> its ids buffer, its captured forward
         self.step_seconds: dict[tuple[int, int], float] = {}   # (rows computed, width) -> a step's seconds
         # counted over the decoder's life (DecodeStats; the policy's acceptance): proposal j offered (the
         # j - 1 before it kept) and kept, at offered[j - 1] and kept[j - 1]
@@ -302,26 +302,29 @@ class Decoder:
             return T
         return min(self.cfg.ctx_len, max(PREFILL_MIN, 1 << (T - 1).bit_length()))
 
-    def _prefill_forward(self, P: int):
-        """The model's forward over the P tokens of the prefill buffer: each block's keys and values
-        (1, P, KV, D) and the last block's output (P, C). Captured once per P where the backend
-        captures (the padding past a prompt's T tokens changes none of the first T: attention is
-        causal), then replayed."""
-        run = self._prefills.get(P)
-        if run is not None:
-            return run()
-        ids = self._prefill_ids[P]
+    def _prefill_forward(self, ids: np.ndarray):
+        """The model's forward over the P token ids (host, P,): each block's keys and values
+        (1, P, KV, D) and the last block's output (P, C). The ids go to a device buffer of length P;
+        the forward over it is captured once per P where the backend captures (the padding past a
+        prompt's T tokens changes none of the first T: attention is causal), then replayed."""
+        P = len(ids)
+        if P not in self._prefills:
+            buffer = self.be.zeros((P,), dtype=np.int64)
 
-        def forward():
-            blocks = []
-            with self.be.parallel(), self.be.computing(registry.precision(self.weights)):
-                self.model.run_blocks(ids, P, self.forward_weights,
-                                      lambda i, block: blocks.append((block.k, block.v, block.out_saved[0])))
-            return [(k, v) for k, v, _ in blocks], blocks[-1][2]
+            def forward():
+                blocks = []
+                with self.be.parallel(), self.be.computing(registry.precision(self.weights)):
+                    self.model.run_blocks(buffer, P, self.forward_weights,
+                                          lambda i, block: blocks.append((block.k, block.v, block.out_saved[0])))
+                return [(k, v) for k, v, _ in blocks], blocks[-1][2]
 
-        run, result = self.be.capture(forward) if self.capture else (forward, forward())
-        self._prefills[P] = run
-        return result
+            self.be.copy_(buffer, ids)
+            run, result = self.be.capture(forward) if self.capture else (forward, forward())
+            self._prefills[P] = buffer, run
+            return result
+        buffer, run = self._prefills[P]
+        self.be.copy_(buffer, ids)
+        return run()
 
     def _prefill(self, b: int, ids: list[int], generated: int) -> None:
         """Fill row b's cache with `ids` from position 0 in one pass of the model's forward (its
@@ -329,13 +332,9 @@ class Decoder:
         next token (and proposals, at the current width); `generated` tokens of the row came before
         (its RNG counter goes on from there)."""
         be, T = self.be, len(ids)
-        P = self._prefill_length(T)
-        if P not in self._prefill_ids:
-            self._prefill_ids[P] = be.zeros((P,), dtype=np.int64)
-        padded = np.zeros(P, dtype=np.int64)
+        padded = np.zeros(self._prefill_length(T), dtype=np.int64)
         padded[:T] = ids
-        be.copy_(self._prefill_ids[P], padded)
-        keys_values, out = self._prefill_forward(P)
+        keys_values, out = self._prefill_forward(padded)
         for (k_cache, v_cache), (k, v) in zip(self.caches, keys_values):
             be.copy_(k_cache[b, :T], k[0, :T])
             be.copy_(v_cache[b, :T], v[0, :T])
