@@ -9,6 +9,7 @@
 #               from the same weights and batches
 #   generation: a `gpu` model trained 300 steps (GEN_STEPS), decoding tests and the decoding benchmark
 #               (batch 1 against PyTorch, 8 and 32)
+#   decode:     the decoding tests, then the captured step alone at 1, 8 and 32 rows (bench/decode_step.py)
 #   dist:       the NCCL communicator and the captured step with the all-reduce inside (one rank)
 #   attention:  the attention tests on the GPU, its kernels against SDPA, and (where ncu runs) their hardware
 #               counters
@@ -68,6 +69,13 @@ generation)
         --new-tokens 256 --no-peers 2>&1 | quiet | tee "$log_dir/generate_b32.log"
     timeout 200 python3 -m pytest -q -o addopts="" -m gpu tests/test_generate_gpu.py -p no:cacheprovider \
         -W ignore::numba.core.errors.NumbaPerformanceWarning 2>&1 | tail -n 8 | tee "$log_dir/generate_tests.log"
+    ;;
+decode)
+    timeout 300 python3 -m pytest -q -o addopts="" -m gpu tests/test_generate_gpu.py -p no:cacheprovider \
+        -W ignore::numba.core.errors.NumbaPerformanceWarning --durations=5 2>&1 | tail -n 14 | tee "$log_dir/decode_tests.log"
+    for rows in 1 8 32; do
+        timeout 120 python3 bench/decode_step.py --rows $rows 2>&1 | quiet
+    done | tee "$log_dir/decode_step.log"
     ;;
 dist)
     timeout 120 "$mpiexec" -n 1 python3 bench/nccl_selfcheck.py 2>&1 | quiet | tee "$log_dir/nccl_selfcheck.log"
