@@ -545,6 +545,26 @@ def resident_blocks(kernel, threads: int, *args) -> int:
     return _compiled_for(kernel, args)[0].max_cooperative_grid_blocks(threads)
 
 
+if SIMULATOR:
+    def load_acquire(arr, i):
+        """arr[i] of an int32 array, read at the GPU's scope in acquire order (no cached copy)."""
+        return arr[i]
+else:
+    @intrinsic
+    def load_acquire(typingctx, arr, i):
+        """arr[i] of an int32 array, read at the GPU's scope in acquire order (no cached copy)."""
+        sig = types.int32(arr, types.int64)
+
+        def codegen(context, builder, sig, args):
+            address = builder.ptrtoint(builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]]),
+                                       ir.IntType(64))
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.IntType(64)]),
+                               "{ .reg .u64 g; cvta.to.global.u64 g, $1; ld.acquire.gpu.global.u32 $0, [g]; }",
+                               "=r,l", side_effect=True)
+            return builder.call(asm, [address])
+        return sig, codegen
+
+
 @cuda.jit(device=True)
 def grid_barrier(counter, i):
     """Barrier i (1, 2, ...) of a persistent kernel: returns once every block has reached it, with
@@ -554,7 +574,7 @@ def grid_barrier(counter, i):
         cuda.threadfence()
         target = i * cuda.gridDim.x
         cuda.atomic.add(counter, 0, 1)
-        while cuda.atomic.add(counter, 0, 0) < target:
+        while load_acquire(counter, 0) < target:
             pass
         cuda.threadfence()
     cuda.syncthreads()
