@@ -1,5 +1,6 @@
-"""Where the GPU's decode_block launch spends its time: the kernel timed (CUDA events, median of 200
-launches after a warm-up) running its phases 0 .. k - 1 for k = 1 .. 6, at the `gpu` preset's sizes
+"""Where the GPU's decode_block launch spends its time: the kernel timed (a captured graph of 16
+launches back to back, as a step's 16 blocks run, replayed 30 times after a warm-up: GPU time and
+the graph's launch, a median) running its phases 0 .. k - 1 for k = 1 .. 6, at the `gpu` preset's sizes
 with bf16 matrices, one token per row at position 200; and with no rows at all (the barriers, the
 prefetch and the launch alone):
 
@@ -8,14 +9,17 @@ prefetch and the launch alone):
 
 import argparse
 import statistics
+import time
 
 import numpy as np
 from numba import cuda
 
+from nanoeuler_core import registry
 from nanoeuler_core.registry import bf16_bits
 from nanoeuler_ops.cuda import decode_block, runtime
 
 C, H, KV, D, F, S = 768, 12, 4, 64, 2048, 515   # the gpu preset (S: its cache with 3 positions of slack)
+LAYERS = 16
 
 
 def launches(rows: int):
@@ -40,18 +44,24 @@ def launches(rows: int):
 
 
 def timed(kernel, blocks, threads, args, last: int) -> float:
-    """Median microseconds of a launch running phases 0 .. last - 1."""
-    for _ in range(20):
-        runtime.launch(kernel, blocks, threads, 0, last, *args)
+    """Median microseconds a launch running phases 0 .. last - 1 takes among LAYERS in a graph."""
+    be = registry.backend("cuda")
+
+    def layers():
+        for _ in range(LAYERS):
+            runtime.launch(kernel, blocks, threads, 0, last, *args, overlap=True)
+
+    replay, _ = be.capture(layers)
+    for _ in range(5):
+        replay()
     times = []
-    for _ in range(200):
-        start, end = cuda.event(), cuda.event()
-        start.record(runtime.stream())
-        runtime.launch(kernel, blocks, threads, 0, last, *args)
-        end.record(runtime.stream())
-        end.synchronize()
-        times.append(cuda.event_elapsed_time(start, end) * 1e3)
-    return statistics.median(times)
+    for _ in range(30):
+        be.synchronize()
+        start = time.perf_counter()
+        replay()
+        be.synchronize()
+        times.append((time.perf_counter() - start) / LAYERS)
+    return statistics.median(times) * 1e6
 
 
 def main() -> None:

@@ -4,31 +4,32 @@ At decoding's few rows a block is a chain of small steps, each waiting on the la
 their own, each pays a launch and the GPU's drain. Here one persistent kernel (runtime, "Persistent
 kernels") walks them as phases, a grid-wide barrier between two:
 
-  0. qkv = rmsnorm(x) attn_norm @ wqkv.T      a warp per output column
-  1. attention over splits of WARP keys        a warp per (row, query head, split): lane = key
-  2. the splits combined: o                    a warp per (row, query head): lane = dimension
-  3. h = x + o @ wo.T                          a warp per output column
-  4. act = silu(n @ w_gate.T) * (n @ w_up.T)   a warp per hidden feature, n = rmsnorm(h) ffn_norm
-  5. y = h + act @ w_down.T                    a warp per output column
+  0. q, k, v = rmsnorm(x) attn_norm @ wqkv.T, RoPE     a warp per rotation pair of columns
+     q into qkv; k and v into the caches at each row's position
+  1. attention over splits of WARP keys                a warp per (row, query head, split): lane = key
+  2. the splits combined: o                            a warp per (row, query head): lane = dimension
+  3. h = x + o @ wo.T                                  a warp per output column
+  4. act = silu(n @ w_gate.T) * (n @ w_up.T)           a warp per hidden feature, n = rmsnorm(h) ffn_norm
+  5. y = h + act @ w_down.T                            a warp per output column
 
 Before it waits for the kernel ahead of it, each thread asks for a few lines of the block's
 matrices to come into L2: they arrive while that kernel ends, and the phases find them there.
 
-Products. The warp of output column o holds row o of the matrix in registers, lane l its pairs l,
-l + 32, ... (runtime.pairs: a word per two elements; as many words a lane as the row needs, fixed
-when the kernel compiles), and walks the input's rows one at a time: each lane adds its pairs'
-products in order, then warp_sum adds the lanes by a fixed tree. So a row's result depends on the
-row alone (batch invariance), and the matrix is read once whatever the rows.
+Products. The warp of an output column walks the input's rows ROWS at a time: lane l reads the
+column's weight pairs l, l + 32, ... (runtime.pairs: a word per two elements) once per group of rows
+and adds each row's products in order; warp_sum then adds the lanes by a fixed tree. So a row's
+result depends on the row alone (batch invariance). Phase 0's warp computes the two columns j and
+j + D/2 of a head, the pair RoPE rotates together (a value head's two columns are stored as they
+are), so the queries leave it rotated and the keys and values go straight into the caches: the
+attention reads keys and values from the caches only, as the op's math does.
 
 Attention. Lane l of the warp for (row n, query head hq, split sp) holds key s = sp * WARP + l: its
-score against the row's query (rotated at the row's position p by every lane alike), the key read
-from the cache (s < pos[b]) or from this call's qkv and rotated at s (a token of this call: no warp
-waits for another to write it into the cache); the split's max and sum of exponentials over the
-lanes; then the split's values are staged in shared memory WARP dimensions at a time, lane = key,
-and lane l adds dimension l of them over the keys in order. The warp of the group's first query head
-whose lane holds s == p writes the row's own key and value into the cache at p; no warp of this call
-reads the cache there. The combine is the decode_attention op's: each head's splits rescaled to the
-overall max and added in split order.
+score against the row's query; the split's max and sum of exponentials over the lanes; then the
+split's values are staged in shared memory WARP dimensions at a time, lane = key, and lane l adds
+dimension l of them over the keys in order. Every load is made whether or not its lane's key counts
+(indices clamped into the cache, the key's weight 0), so a warp's loads all go out at once. The
+combine is the decode_attention op's: each head's splits rescaled to the overall max and added in
+split order.
 
 In each phase every warp walks the same number of rounds (a warp past the last item works on nothing
 and writes nothing), so every lane joins every shuffle, and every thread the simulator's reductions,
@@ -43,21 +44,23 @@ from numba import cuda, float32, uint64
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decode_attention import rope_table
-from nanoeuler_ops.cuda.rmsnorm import load_row
 from nanoeuler_ops.cuda.runtime import (SIMULATOR, WARP, grid_barrier, leave_grid, let_next_start, pair_values, pairs,
-                                        prefetch_l2, stored, sync_warp, to_f32, wait_for_previous, warp_max, warp_sum)
+                                        prefetch_l2, stored, sync_warp, to_f32, wait_for_previous, warp_max, warp_sum,
+                                        warp_sums)
 from nanoeuler_ops.decode_block import check_shapes
 
 PHASES = 6
 WARPS = 2 if SIMULATOR else 8     # warps a block (two keep the simulator quick)
 BLOCKS_PER_SM = 2                 # at most: fewer blocks, fewer arrivals at each barrier
-MAX_WORDS = 64                    # pairs a lane holds of a matrix row: rows of up to 4096 elements
+ROWS = 4                          # rows a warp reduces together: a weight pair read once for them
+MAX_WORDS = 64                    # pairs a lane reads of a matrix row: rows of up to 4096 elements
 PREFETCH_WORDS = 16               # words a prefetch asks for (a 128-byte line of float32 pairs)
 STAGED = WARP + 1                 # a staged key's row of values, padded: no bank conflicts
+JIT_OPTIONS = {} if SIMULATOR else {"max_registers": 128}   # two blocks a multiprocessor
 
 
 def _words(n: int) -> int:
-    """Words a lane holds of a row of n elements."""
+    """Words a lane reads of a row of n elements."""
     return max(1, -(-n // (2 * WARP)))
 
 
@@ -66,51 +69,56 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
     """The kernel for head size D and rows of WC, WHD and WF words a lane (C, H D and F elements)."""
     HALF = D // 2
     DIM_ROUNDS = -(-D // WARP)
-    WORDS = max(WC, WHD, WF)
     scale = float32(1.0 / math.sqrt(D))
 
     @cuda.jit(device=True, inline=True)
-    def lane_dot(weights, K, g, scaled, a, n, P, lane):
-        # this lane's part of sum_c a[n, c] w[c] (times g[c] where scaled) and of sum_c a[n, c]^2, over
-        # its pairs lane, lane + WARP, ... of a's row n (P pairs a row, 0 for none), in order
-        dot = float32(0.0)
-        squares = float32(0.0)
-        row = uint64(n) * uint64(P)
+    def lane_dots(w, column, K, a, r0, N, g, scaled, lane, dots, squares):
+        # dots[r] and squares[r] = this lane's part of sum_c a[r0 + r, c] w[column, c] (w times g where
+        # scaled) and of sum_c a[r0 + r, c]^2, r < ROWS, over its pairs lane, lane + WARP, ... of the
+        # rows (P pairs each, 0 for no column), in order; column < 0: none
+        P = a.shape[0] // N if column >= 0 else 0
+        for r in range(ROWS):
+            dots[r] = float32(0.0)
+            squares[r] = float32(0.0)
         for k in range(K):
             p = lane + WARP * k
             if p < P:
-                a_lo, a_hi = pair_values(a[row + uint64(p)])
-                w_lo, w_hi = pair_values(weights[k])
+                w_lo, w_hi = pair_values(w[uint64(column) * uint64(P) + uint64(p)])
                 if scaled:
                     g_lo, g_hi = pair_values(g[p])
                     w_lo *= g_lo
                     w_hi *= g_hi
-                dot += a_lo * w_lo + a_hi * w_hi
-                squares += a_lo * a_lo + a_hi * a_hi
-        return dot, squares
+                for r in range(ROWS):
+                    if r0 + r < N:
+                        a_lo, a_hi = pair_values(a[uint64(r0 + r) * uint64(P) + uint64(p)])
+                        dots[r] += a_lo * w_lo + a_hi * w_hi
+                        squares[r] += a_lo * a_lo + a_hi * a_hi
+        warp_sums(dots)
+        warp_sums(squares)
 
     @cuda.jit(device=True, inline=True)
     def prefetch(w, thread, threads):
         for i in range(thread * PREFETCH_WORDS, w.shape[0], threads * PREFETCH_WORDS):
             prefetch_l2(w, i)
 
-    @cuda.jit(cache=True)
+    @cuda.jit(cache=True, **JIT_OPTIONS)
     def block(first, last, counter, x, x_pairs, attn_norm, wqkv, k_cache, v_cache, pos, cos, sin, wo, ffn_norm,
               w_gate_up, w_down, eps, T, H, KV, qkv, part_max, part_sum, part_o, o, o_pairs, h, h_pairs, act,
               act_pairs, y):
         # x (N, C) and its pairs; the norms' and matrices' pairs; caches (B, S, KV, D), pos (B,), cos, sin
-        # (S, D/2) -> y (N, C); scratch qkv (N, (H + 2 KV) D), part_max, part_sum (N H, splits), part_o
-        # (N H, splits, D), o (N, H D), h (N, C), act (N, F); phases first .. last - 1
+        # (S, D/2) -> y (N, C); scratch qkv (N, (H + 2 KV) D) (the rotated queries), part_max, part_sum
+        # (N H, splits), part_o (N H, splits, D), o (N, H D), h (N, C), act (N, F); phases first .. last - 1
         N, C = x.shape
         S, NS = k_cache.shape[1], part_max.shape[1]
-        HD, F = o.shape[1], act.shape[1]
+        F = act.shape[1]
         G = H // KV
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         gw = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + warp     # this warp in the grid
         n_warps = cuda.gridDim.x * (cuda.blockDim.x // WARP)
-        words = cuda.local.array(WORDS, wqkv.dtype)
-        words_up = cuda.local.array(WC, wqkv.dtype)
+        dots = cuda.local.array(ROWS, float32)
+        dots_2 = cuda.local.array(ROWS, float32)
+        squares = cuda.local.array(ROWS, float32)
         weights_sh = cuda.shared.array((WARPS, WARP), float32)
         values_sh = cuda.shared.array((WARPS, WARP, STAGED), float32)
         if first == 0:
@@ -125,18 +133,35 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
         for phase in range(first, last):
             if phase > first:
                 grid_barrier(counter, phase - first)
-            if phase == 0:                                  # qkv = rmsnorm(x) attn_norm @ wqkv.T
-                for base in range(0, qkv.shape[1], n_warps):
-                    col = base + gw
-                    P = C // 2 if col < qkv.shape[1] else 0
-                    load_row(wqkv, col, P, lane, WC, words)
-                    for n in range(N):
-                        dot, squares = lane_dot(words, WC, attn_norm, True, x_pairs, n, P, lane)
-                        dot = warp_sum(dot)
-                        squares = warp_sum(squares)
-                        if lane == 0 and P > 0:
-                            rstd = float32(1.0) / math.sqrt(squares / float32(C) + eps)
-                            qkv[n, col] = stored(qkv, dot * rstd)
+            if phase == 0:                                  # q, k, v of each head's column pair j, j + D/2
+                items = (H + 2 * KV) * HALF
+                for base in range(0, items, n_warps):
+                    item = base + gw
+                    head, j = item // HALF, item % HALF
+                    column = head * D + j if item < items else -1
+                    for r0 in range(0, N, ROWS):
+                        lane_dots(wqkv, column, WC, x_pairs, r0, N, attn_norm, True, lane, dots, squares)
+                        lane_dots(wqkv, column + HALF if column >= 0 else -1, WC, x_pairs, r0, N, attn_norm, True,
+                                  lane, dots_2, squares)
+                        if lane < ROWS and r0 + lane < N and column >= 0:
+                            n = r0 + lane
+                            rstd = float32(1.0) / math.sqrt(squares[lane] / float32(C) + eps)
+                            u1, u2 = dots[lane] * rstd, dots_2[lane] * rstd
+                            b = n // T
+                            p = pos[b] + n % T
+                            if head >= H + KV:              # a value head: as it is
+                                if p >= 0 and p < S:
+                                    v_cache[b, p, head - H - KV, j] = stored(v_cache, u1)
+                                    v_cache[b, p, head - H - KV, j + HALF] = stored(v_cache, u2)
+                            elif p >= 0 and p < S:          # a query or key head: rotated at p
+                                c, sn = cos[p, j], sin[p, j]
+                                u1, u2 = u1 * c - u2 * sn, u2 * c + u1 * sn
+                                if head < H:
+                                    qkv[n, column] = stored(qkv, u1)
+                                    qkv[n, column + HALF] = stored(qkv, u2)
+                                else:
+                                    k_cache[b, p, head - H, j] = stored(k_cache, u1)
+                                    k_cache[b, p, head - H, j + HALF] = stored(k_cache, u2)
             elif phase == 1:                                # each split's scores, max, sum and values
                 items = N * H * NS
                 for base in range(0, items, n_warps):
@@ -146,33 +171,17 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                     hq = row % H
                     n = min(row // H, N - 1)
                     b = n // T
-                    start = pos[b]
-                    p = start + n % T
+                    p = pos[b] + n % T
                     first_key = sp * WARP
                     ok = item < items and p >= 0 and p < S and first_key <= p
                     g = hq // G
                     s = first_key + lane
                     live = ok and s <= p                    # this lane holds a key
-                    new = live and s >= start               # ... of this call: from qkv
-                    source = b * T + s - start              # its row of qkv
-                    writer = live and s == p and hq == g * G
+                    key = min(s, p) if ok else 0            # clamped: every lane loads
+                    q_n = n if ok else 0
                     dot = float32(0.0)
-                    for j in range(HALF):
-                        if live:
-                            c, sn = cos[p, j], sin[p, j]
-                            q1, q2 = to_f32(qkv[n, hq * D + j]), to_f32(qkv[n, hq * D + j + HALF])
-                            qa, qb = q1 * c - q2 * sn, q2 * c + q1 * sn
-                            if new:
-                                c, sn = cos[s, j], sin[s, j]
-                                k1 = to_f32(qkv[source, (H + g) * D + j])
-                                k2 = to_f32(qkv[source, (H + g) * D + j + HALF])
-                                ka, kb = k1 * c - k2 * sn, k2 * c + k1 * sn
-                                if writer:
-                                    k_cache[b, p, g, j] = stored(k_cache, ka)
-                                    k_cache[b, p, g, j + HALF] = stored(k_cache, kb)
-                            else:
-                                ka, kb = to_f32(k_cache[b, s, g, j]), to_f32(k_cache[b, s, g, j + HALF])
-                            dot += qa * ka + qb * kb
+                    for j in range(D):
+                        dot += to_f32(qkv[q_n, hq * D + j]) * to_f32(k_cache[b, key, g, j])
                     score = dot * scale if live else float32(-math.inf)
                     top = warp_max(score)
                     e = math.exp(score - top) if live else float32(0.0)
@@ -181,16 +190,7 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                     n_keys = min(WARP, p + 1 - first_key) if ok else 0
                     for r in range(DIM_ROUNDS):
                         for j in range(WARP):               # stage dimensions r WARP + j: lane = key
-                            d = r * WARP + j
-                            value = float32(0.0)
-                            if live and d < D:
-                                if new:
-                                    value = to_f32(qkv[source, (H + KV + g) * D + d])
-                                    if writer:
-                                        v_cache[b, p, g, d] = stored(v_cache, value)
-                                else:
-                                    value = to_f32(v_cache[b, s, g, d])
-                            values_sh[warp, lane, j] = value
+                            values_sh[warp, lane, j] = to_f32(v_cache[b, key, g, min(r * WARP + j, D - 1)])
                         sync_warp()
                         acc = float32(0.0)                  # lane = dimension
                         for k in range(WARP):
@@ -226,41 +226,30 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                                 o[n, hq * D + d] = stored(o, acc / total if valid else float32(0.0))
             elif phase == 3:                                # h = x + o @ wo.T
                 for base in range(0, C, n_warps):
-                    col = base + gw
-                    P = HD // 2 if col < C else 0
-                    load_row(wo, col, P, lane, WHD, words)
-                    for n in range(N):
-                        dot, _ = lane_dot(words, WHD, ffn_norm, False, o_pairs, n, P, lane)
-                        dot = warp_sum(dot)
-                        if lane == 0 and P > 0:
-                            h[n, col] = stored(h, to_f32(x[n, col]) + dot)
+                    col = base + gw if base + gw < C else -1
+                    for r0 in range(0, N, ROWS):
+                        lane_dots(wo, col, WHD, o_pairs, r0, N, ffn_norm, False, lane, dots, squares)
+                        if lane < ROWS and r0 + lane < N and col >= 0:
+                            h[r0 + lane, col] = stored(h, to_f32(x[r0 + lane, col]) + dots[lane])
             elif phase == 4:                                # act = silu(n @ w_gate.T) * (n @ w_up.T)
                 for base in range(0, F, n_warps):
-                    f = base + gw
-                    P = C // 2 if f < F else 0
-                    load_row(w_gate_up, f, P, lane, WC, words)
-                    load_row(w_gate_up, F + f if P > 0 else 0, P, lane, WC, words_up)
-                    for n in range(N):
-                        gate, squares = lane_dot(words, WC, ffn_norm, True, h_pairs, n, P, lane)
-                        up, _ = lane_dot(words_up, WC, ffn_norm, True, h_pairs, n, P, lane)
-                        gate = warp_sum(gate)
-                        up = warp_sum(up)
-                        squares = warp_sum(squares)
-                        if lane == 0 and P > 0:
-                            rstd = float32(1.0) / math.sqrt(squares / float32(C) + eps)
-                            z = gate * rstd
+                    f = base + gw if base + gw < F else -1
+                    for r0 in range(0, N, ROWS):
+                        lane_dots(w_gate_up, f, WC, h_pairs, r0, N, ffn_norm, True, lane, dots, squares)
+                        lane_dots(w_gate_up, F + f if f >= 0 else -1, WC, h_pairs, r0, N, ffn_norm, True, lane,
+                                  dots_2, squares)
+                        if lane < ROWS and r0 + lane < N and f >= 0:
+                            rstd = float32(1.0) / math.sqrt(squares[lane] / float32(C) + eps)
+                            z = dots[lane] * rstd
                             sigmoid = float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # no overflow
-                            act[n, f] = stored(act, z * sigmoid * (up * rstd))
+                            act[r0 + lane, f] = stored(act, z * sigmoid * (dots_2[lane] * rstd))
             else:                                           # y = h + act @ w_down.T
                 for base in range(0, C, n_warps):
-                    col = base + gw
-                    P = F // 2 if col < C else 0
-                    load_row(w_down, col, P, lane, WF, words)
-                    for n in range(N):
-                        dot, _ = lane_dot(words, WF, ffn_norm, False, act_pairs, n, P, lane)
-                        dot = warp_sum(dot)
-                        if lane == 0 and P > 0:
-                            y[n, col] = stored(y, to_f32(h[n, col]) + dot)
+                    col = base + gw if base + gw < C else -1
+                    for r0 in range(0, N, ROWS):
+                        lane_dots(w_down, col, WF, act_pairs, r0, N, ffn_norm, False, lane, dots, squares)
+                        if lane < ROWS and r0 + lane < N and col >= 0:
+                            y[r0 + lane, col] = stored(y, to_f32(h[r0 + lane, col]) + dots[lane])
         if last - first > 1:
             leave_grid(counter)
 

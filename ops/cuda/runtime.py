@@ -646,6 +646,10 @@ if SIMULATOR:
         """Max of x over the 32 lanes of the warp, returned to every lane."""
         return simulated_reduce(x, WARP, True)
 
+    def warp_sums(values):
+        """Each of the (up to LANE_SLOTS) values of a local array summed over the warp, in place."""
+        values[:] = simulated_reduce(values, WARP, False)
+
     def warp_ballot(predicate):
         """A mask with bit `lane` set where that lane's predicate holds, returned to every lane."""
         lanes = simulated_lanes(bool(predicate), WARP)
@@ -676,6 +680,12 @@ else:
             x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, offset))
             offset //= 2
         return x
+
+    @cuda.jit(device=True, inline=True)
+    def warp_sums(values):
+        """Each of the (up to LANE_SLOTS) values of a local array summed over the warp, in place."""
+        for i in range(values.shape[0]):
+            values[i] = warp_sum(values[i])
 
     @cuda.jit(device=True, inline=True)
     def warp_ballot(predicate):
