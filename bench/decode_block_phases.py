@@ -69,10 +69,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--blocks-per-sm", type=int, default=decode_block.BLOCKS_PER_SM)
     parser.add_argument("--warps", type=int, default=decode_block.WARPS)
+    parser.add_argument("--ptx", help="write the kernel's PTX here")
     args = parser.parse_args()
     decode_block.BLOCKS_PER_SM, decode_block.WARPS = args.blocks_per_sm, args.warps
     kernel, blocks, threads, call = launches(args.rows)
-    print(f"{blocks} blocks of {threads} threads, {args.rows} rows")
+    compiled = runtime._compiled_for(kernel, (0, decode_block.PHASES, *call))[0]
+    print(f"{blocks} blocks of {threads} threads, {args.rows} rows; {compiled.regs_per_thread} registers a thread, "
+          f"{compiled.local_mem_per_thread} bytes of local memory")
+    if args.ptx:
+        with open(args.ptx, "w") as f:
+            f.write(compiled.inspect_asm())
     for last in range(1, decode_block.PHASES + 1):
         print(f"phases 0..{last - 1}: {timed(kernel, blocks, threads, call, last):8.1f} us")
     kernel, blocks, threads, call = launches(0)

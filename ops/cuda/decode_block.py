@@ -52,7 +52,8 @@ from nanoeuler_ops.decode_block import check_shapes
 PHASES = 6
 WARPS = 2 if SIMULATOR else 8     # warps a block (two keep the simulator quick)
 BLOCKS_PER_SM = 2                 # at most: fewer blocks, fewer arrivals at each barrier
-ROWS = 4                          # rows a warp reduces together: a weight pair read once for them
+ROWS = 2                          # rows a warp reduces together: a weight pair read once for them
+UNROLL = 8                        # loads a lane makes before it uses them (one trip to memory for all)
 MAX_WORDS = 64                    # pairs a lane reads of a matrix row: rows of up to 4096 elements
 PREFETCH_WORDS = 16               # words a prefetch asks for (a 128-byte line of float32 pairs)
 STAGED = WARP + 1                 # a staged key's row of values, padded: no bank conflicts
@@ -72,28 +73,46 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
     scale = float32(1.0 / math.sqrt(D))
 
     @cuda.jit(device=True, inline=True)
-    def lane_dots(w, column, K, a, r0, N, g, scaled, lane, dots, squares):
-        # dots[r] and squares[r] = this lane's part of sum_c a[r0 + r, c] w[column, c] (w times g where
-        # scaled) and of sum_c a[r0 + r, c]^2, r < ROWS, over its pairs lane, lane + WARP, ... of the
-        # rows (P pairs each, 0 for no column), in order; column < 0: none
+    def lane_dots(w, column, column_2, K, a, r0, N, g, scaled, lane, dots, dots_2, squares):
+        # dots[r] (dots_2[r]) and squares[r], r < ROWS: the warp's sum_c a[r0 + r, c] w[column, c] (and
+        # w[column_2, c]; each times g[c] where scaled) and sum_c a[r0 + r, c]^2, each lane adding its pairs
+        # lane, lane + WARP, ... of the rows (P pairs each) in order, then warp_sums; no column: < 0
         P = a.shape[0] // N if column >= 0 else 0
+        w_words = cuda.local.array(UNROLL, w.dtype)
+        w_words_2 = cuda.local.array(UNROLL, w.dtype)
+        g_words = cuda.local.array(UNROLL, g.dtype)
+        a_words = cuda.local.array((ROWS, UNROLL), a.dtype)
         for r in range(ROWS):
             dots[r] = float32(0.0)
+            dots_2[r] = float32(0.0)
             squares[r] = float32(0.0)
-        for k in range(K):
-            p = lane + WARP * k
-            if p < P:
-                w_lo, w_hi = pair_values(w[uint64(column) * uint64(P) + uint64(p)])
-                if scaled:
-                    g_lo, g_hi = pair_values(g[p])
-                    w_lo *= g_lo
-                    w_hi *= g_hi
-                for r in range(ROWS):
-                    if r0 + r < N:
-                        a_lo, a_hi = pair_values(a[uint64(r0 + r) * uint64(P) + uint64(p)])
-                        dots[r] += a_lo * w_lo + a_hi * w_hi
-                        squares[r] += a_lo * a_lo + a_hi * a_hi
+        for k0 in range(0, K, UNROLL):
+            for u in range(UNROLL):                 # a group's loads first, all in flight at once
+                p = lane + WARP * (k0 + u)
+                if p < P:
+                    w_words[u] = w[uint64(column) * uint64(P) + uint64(p)]
+                    if column_2 >= 0:
+                        w_words_2[u] = w[uint64(column_2) * uint64(P) + uint64(p)]
+                    if scaled:
+                        g_words[u] = g[p]
+                    for r in range(ROWS):
+                        if r0 + r < N:
+                            a_words[r, u] = a[uint64(r0 + r) * uint64(P) + uint64(p)]
+            for u in range(UNROLL):
+                if lane + WARP * (k0 + u) < P:
+                    w_lo, w_hi = pair_values(w_words[u])
+                    w2_lo, w2_hi = pair_values(w_words_2[u])
+                    if scaled:
+                        g_lo, g_hi = pair_values(g_words[u])
+                        w_lo, w_hi, w2_lo, w2_hi = w_lo * g_lo, w_hi * g_hi, w2_lo * g_lo, w2_hi * g_hi
+                    for r in range(ROWS):
+                        if r0 + r < N:
+                            a_lo, a_hi = pair_values(a_words[r, u])
+                            dots[r] += a_lo * w_lo + a_hi * w_hi
+                            dots_2[r] += a_lo * w2_lo + a_hi * w2_hi
+                            squares[r] += a_lo * a_lo + a_hi * a_hi
         warp_sums(dots)
+        warp_sums(dots_2)
         warp_sums(squares)
 
     @cuda.jit(device=True, inline=True)
@@ -119,6 +138,13 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
         dots = cuda.local.array(ROWS, float32)
         dots_2 = cuda.local.array(ROWS, float32)
         squares = cuda.local.array(ROWS, float32)
+        q_group = cuda.local.array(UNROLL, float32)
+        k_group = cuda.local.array(UNROLL, float32)
+        staged = cuda.local.array(WARP, float32)
+        split_max = cuda.local.array(UNROLL, float32)
+        split_sum = cuda.local.array(UNROLL, float32)
+        outs = cuda.local.array((DIM_ROUNDS, UNROLL), float32)
+        accs = cuda.local.array(DIM_ROUNDS, float32)
         weights_sh = cuda.shared.array((WARPS, WARP), float32)
         values_sh = cuda.shared.array((WARPS, WARP, STAGED), float32)
         if first == 0:
@@ -140,9 +166,8 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                     head, j = item // HALF, item % HALF
                     column = head * D + j if item < items else -1
                     for r0 in range(0, N, ROWS):
-                        lane_dots(wqkv, column, WC, x_pairs, r0, N, attn_norm, True, lane, dots, squares)
-                        lane_dots(wqkv, column + HALF if column >= 0 else -1, WC, x_pairs, r0, N, attn_norm, True,
-                                  lane, dots_2, squares)
+                        lane_dots(wqkv, column, column + HALF, WC, x_pairs, r0, N, attn_norm, True, lane, dots,
+                                  dots_2, squares)
                         if lane < ROWS and r0 + lane < N and column >= 0:
                             n = r0 + lane
                             rstd = float32(1.0) / math.sqrt(squares[lane] / float32(C) + eps)
@@ -180,8 +205,14 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                     key = min(s, p) if ok else 0            # clamped: every lane loads
                     q_n = n if ok else 0
                     dot = float32(0.0)
-                    for j in range(D):
-                        dot += to_f32(qkv[q_n, hq * D + j]) * to_f32(k_cache[b, key, g, j])
+                    for j0 in range(0, D, UNROLL):
+                        for u in range(UNROLL):             # a group's loads first
+                            j = min(j0 + u, D - 1)
+                            q_group[u] = to_f32(qkv[q_n, hq * D + j])
+                            k_group[u] = to_f32(k_cache[b, key, g, j])
+                        for u in range(UNROLL):
+                            if j0 + u < D:
+                                dot += q_group[u] * k_group[u]
                     score = dot * scale if live else float32(-math.inf)
                     top = warp_max(score)
                     e = math.exp(score - top) if live else float32(0.0)
@@ -190,7 +221,9 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                     n_keys = min(WARP, p + 1 - first_key) if ok else 0
                     for r in range(DIM_ROUNDS):
                         for j in range(WARP):               # stage dimensions r WARP + j: lane = key
-                            values_sh[warp, lane, j] = to_f32(v_cache[b, key, g, min(r * WARP + j, D - 1)])
+                            staged[j] = to_f32(v_cache[b, key, g, min(r * WARP + j, D - 1)])
+                        for j in range(WARP):
+                            values_sh[warp, lane, j] = staged[j]
                         sync_warp()
                         acc = float32(0.0)                  # lane = dimension
                         for k in range(WARP):
@@ -212,32 +245,45 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                         valid = p >= 0 and p < S
                         n_splits = p // WARP + 1 if valid else 0
                         top = float32(-math.inf)
-                        for sp in range(n_splits):
-                            top = max(top, part_max[row, sp])
+                        for sp0 in range(0, n_splits, UNROLL):
+                            for u in range(UNROLL):         # a group's loads first
+                                split_max[u] = part_max[row, min(sp0 + u, NS - 1)]
+                            for u in range(UNROLL):
+                                if sp0 + u < n_splits:
+                                    top = max(top, split_max[u])
                         total = float32(0.0)
-                        for sp in range(n_splits):
-                            total += part_sum[row, sp] * math.exp(part_max[row, sp] - top)
+                        for r in range(DIM_ROUNDS):
+                            accs[r] = float32(0.0)
+                        for sp0 in range(0, n_splits, UNROLL):
+                            for u in range(UNROLL):
+                                sp = min(sp0 + u, NS - 1)
+                                split_max[u] = part_max[row, sp]
+                                split_sum[u] = part_sum[row, sp]
+                                for r in range(DIM_ROUNDS):
+                                    outs[r, u] = part_o[row, sp, min(r * WARP + lane, D - 1)]
+                            for u in range(UNROLL):
+                                if sp0 + u < n_splits:
+                                    rescale = math.exp(split_max[u] - top)
+                                    total += split_sum[u] * rescale
+                                    for r in range(DIM_ROUNDS):
+                                        accs[r] += outs[r, u] * rescale
                         for r in range(DIM_ROUNDS):
                             d = r * WARP + lane
                             if d < D:
-                                acc = float32(0.0)
-                                for sp in range(n_splits):
-                                    acc += part_o[row, sp, d] * math.exp(part_max[row, sp] - top)
-                                o[n, hq * D + d] = stored(o, acc / total if valid else float32(0.0))
+                                o[n, hq * D + d] = stored(o, accs[r] / total if valid else float32(0.0))
             elif phase == 3:                                # h = x + o @ wo.T
                 for base in range(0, C, n_warps):
                     col = base + gw if base + gw < C else -1
                     for r0 in range(0, N, ROWS):
-                        lane_dots(wo, col, WHD, o_pairs, r0, N, ffn_norm, False, lane, dots, squares)
+                        lane_dots(wo, col, -1, WHD, o_pairs, r0, N, ffn_norm, False, lane, dots, dots_2, squares)
                         if lane < ROWS and r0 + lane < N and col >= 0:
                             h[r0 + lane, col] = stored(h, to_f32(x[r0 + lane, col]) + dots[lane])
             elif phase == 4:                                # act = silu(n @ w_gate.T) * (n @ w_up.T)
                 for base in range(0, F, n_warps):
                     f = base + gw if base + gw < F else -1
                     for r0 in range(0, N, ROWS):
-                        lane_dots(w_gate_up, f, WC, h_pairs, r0, N, ffn_norm, True, lane, dots, squares)
-                        lane_dots(w_gate_up, F + f if f >= 0 else -1, WC, h_pairs, r0, N, ffn_norm, True, lane,
-                                  dots_2, squares)
+                        lane_dots(w_gate_up, f, F + f, WC, h_pairs, r0, N, ffn_norm, True, lane, dots, dots_2,
+                                  squares)
                         if lane < ROWS and r0 + lane < N and f >= 0:
                             rstd = float32(1.0) / math.sqrt(squares[lane] / float32(C) + eps)
                             z = dots[lane] * rstd
@@ -247,7 +293,7 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                 for base in range(0, C, n_warps):
                     col = base + gw if base + gw < C else -1
                     for r0 in range(0, N, ROWS):
-                        lane_dots(w_down, col, WF, act_pairs, r0, N, ffn_norm, False, lane, dots, squares)
+                        lane_dots(w_down, col, -1, WF, act_pairs, r0, N, ffn_norm, False, lane, dots, dots_2, squares)
                         if lane < ROWS and r0 + lane < N and col >= 0:
                             y[r0 + lane, col] = stored(y, to_f32(h[r0 + lane, col]) + dots[lane])
         if last - first > 1:
