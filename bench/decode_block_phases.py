@@ -78,7 +78,7 @@ def main() -> None:
           f"{compiled.local_mem_per_thread} bytes of local memory")
     if args.ptx:
         with open(args.ptx, "w") as f:
-            f.write(compiled.inspect_asm())
+            f.write(compiled.inspect_asm(cuda.get_current_device().compute_capability))
     for last in range(1, decode_block.PHASES + 1):
         print(f"phases 0..{last - 1}: {timed(kernel, blocks, threads, call, last):8.1f} us")
     kernel, blocks, threads, call = launches(0)

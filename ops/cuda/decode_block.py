@@ -45,18 +45,14 @@ from numba import cuda, float32, uint64
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decode_attention import rope_table
 from nanoeuler_ops.cuda.runtime import (SIMULATOR, WARP, grid_barrier, leave_grid, let_next_start, pair_values, pairs,
-                                        prefetch_l2, stored, sync_warp, to_f32, wait_for_previous, warp_max, warp_sum,
-                                        warp_sums)
+                                        prefetch_l2, stored, sync_warp, to_f32, wait_for_previous, warp_max, warp_sum)
 from nanoeuler_ops.decode_block import check_shapes
 
 PHASES = 6
 WARPS = 2 if SIMULATOR else 8     # warps a block (two keep the simulator quick)
 BLOCKS_PER_SM = 2                 # at most: fewer blocks, fewer arrivals at each barrier
-ROWS = 2                          # rows a warp reduces together: a weight pair read once for them
-UNROLL = 8                        # loads a lane makes before it uses them (one trip to memory for all)
 MAX_WORDS = 64                    # pairs a lane reads of a matrix row: rows of up to 4096 elements
 PREFETCH_WORDS = 16               # words a prefetch asks for (a 128-byte line of float32 pairs)
-STAGED = WARP + 1                 # a staged key's row of values, padded: no bank conflicts
 JIT_OPTIONS = {} if SIMULATOR else {"max_registers": 128}   # two blocks a multiprocessor
 
 
@@ -73,47 +69,31 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
     scale = float32(1.0 / math.sqrt(D))
 
     @cuda.jit(device=True, inline=True)
-    def lane_dots(w, column, column_2, K, a, r0, N, g, scaled, lane, dots, dots_2, squares):
-        # dots[r] (dots_2[r]) and squares[r], r < ROWS: the warp's sum_c a[r0 + r, c] w[column, c] (and
-        # w[column_2, c]; each times g[c] where scaled) and sum_c a[r0 + r, c]^2, each lane adding its pairs
-        # lane, lane + WARP, ... of the rows (P pairs each) in order, then warp_sums; no column: < 0
-        P = a.shape[0] // N if column >= 0 else 0
-        w_words = cuda.local.array(UNROLL, w.dtype)
-        w_words_2 = cuda.local.array(UNROLL, w.dtype)
-        g_words = cuda.local.array(UNROLL, g.dtype)
-        a_words = cuda.local.array((ROWS, UNROLL), a.dtype)
-        for r in range(ROWS):
-            dots[r] = float32(0.0)
-            dots_2[r] = float32(0.0)
-            squares[r] = float32(0.0)
-        for k0 in range(0, K, UNROLL):
-            for u in range(UNROLL):                 # a group's loads first, all in flight at once
-                p = lane + WARP * (k0 + u)
-                if p < P:
-                    w_words[u] = w[uint64(column) * uint64(P) + uint64(p)]
-                    if column_2 >= 0:
-                        w_words_2[u] = w[uint64(column_2) * uint64(P) + uint64(p)]
+    def row_dots(w, column, column_2, K, a, n, P, g, scaled, lane):
+        # the warp's sums over c of a[n, c] w[column, c] and a[n, c] w[column_2, c] (each w times g[c]
+        # where scaled; column_2 < 0: none) and of a[n, c]^2, rows of P pairs (0: nothing): each lane adds
+        # its pairs lane, lane + WARP, ... in order, then warp_sum adds the lanes. Loads only, into
+        # scalars: the unrolled loop's reads all go out before the first is used.
+        dot = float32(0.0)
+        dot_2 = float32(0.0)
+        squares = float32(0.0)
+        row = uint64(n) * uint64(P)
+        for k in range(K):
+            p = lane + WARP * k
+            if p < P:
+                a_lo, a_hi = pair_values(a[row + uint64(p)])
+                w_lo, w_hi = pair_values(w[uint64(column) * uint64(P) + uint64(p)])
+                if scaled:
+                    g_lo, g_hi = pair_values(g[p])
+                    w_lo, w_hi = w_lo * g_lo, w_hi * g_hi
+                dot += a_lo * w_lo + a_hi * w_hi
+                squares += a_lo * a_lo + a_hi * a_hi
+                if column_2 >= 0:
+                    w2_lo, w2_hi = pair_values(w[uint64(column_2) * uint64(P) + uint64(p)])
                     if scaled:
-                        g_words[u] = g[p]
-                    for r in range(ROWS):
-                        if r0 + r < N:
-                            a_words[r, u] = a[uint64(r0 + r) * uint64(P) + uint64(p)]
-            for u in range(UNROLL):
-                if lane + WARP * (k0 + u) < P:
-                    w_lo, w_hi = pair_values(w_words[u])
-                    w2_lo, w2_hi = pair_values(w_words_2[u])
-                    if scaled:
-                        g_lo, g_hi = pair_values(g_words[u])
-                        w_lo, w_hi, w2_lo, w2_hi = w_lo * g_lo, w_hi * g_hi, w2_lo * g_lo, w2_hi * g_hi
-                    for r in range(ROWS):
-                        if r0 + r < N:
-                            a_lo, a_hi = pair_values(a_words[r, u])
-                            dots[r] += a_lo * w_lo + a_hi * w_hi
-                            dots_2[r] += a_lo * w2_lo + a_hi * w2_hi
-                            squares[r] += a_lo * a_lo + a_hi * a_hi
-        warp_sums(dots)
-        warp_sums(dots_2)
-        warp_sums(squares)
+                        w2_lo, w2_hi = w2_lo * g_lo, w2_hi * g_hi
+                    dot_2 += a_lo * w2_lo + a_hi * w2_hi
+        return warp_sum(dot), warp_sum(dot_2), warp_sum(squares)
 
     @cuda.jit(device=True, inline=True)
     def prefetch(w, thread, threads):
@@ -121,32 +101,22 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
             prefetch_l2(w, i)
 
     @cuda.jit(cache=True, **JIT_OPTIONS)
-    def block(first, last, counter, x, x_pairs, attn_norm, wqkv, k_cache, v_cache, pos, cos, sin, wo, ffn_norm,
-              w_gate_up, w_down, eps, T, H, KV, qkv, part_max, part_sum, part_o, o, o_pairs, h, h_pairs, act,
+    def block(first, last, counter, x, x_pairs, attn_norm, wqkv, k_flat, v_flat, pos, cos, sin, wo, ffn_norm,
+              w_gate_up, w_down, eps, B, T, S, H, KV, qkv, part_max, part_sum, part_o, o, o_pairs, h, h_pairs, act,
               act_pairs, y):
-        # x (N, C) and its pairs; the norms' and matrices' pairs; caches (B, S, KV, D), pos (B,), cos, sin
-        # (S, D/2) -> y (N, C); scratch qkv (N, (H + 2 KV) D) (the rotated queries), part_max, part_sum
-        # (N H, splits), part_o (N H, splits, D), o (N, H D), h (N, C), act (N, F); phases first .. last - 1
+        # x (N, C) and its pairs; the norms' and matrices' pairs; the caches (B, S, KV, D) as flat runs,
+        # pos (B,), cos, sin (S, D/2) -> y (N, C); scratch qkv (N, (H + 2 KV) D) (the rotated queries),
+        # part_max, part_sum (N H, splits), part_o (N H, splits, D), o (N, H D), h (N, C), act (N, F);
+        # phases first .. last - 1
         N, C = x.shape
-        S, NS = k_cache.shape[1], part_max.shape[1]
+        NS = part_max.shape[1]
         F = act.shape[1]
         G = H // KV
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         gw = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + warp     # this warp in the grid
         n_warps = cuda.gridDim.x * (cuda.blockDim.x // WARP)
-        dots = cuda.local.array(ROWS, float32)
-        dots_2 = cuda.local.array(ROWS, float32)
-        squares = cuda.local.array(ROWS, float32)
-        q_group = cuda.local.array(UNROLL, float32)
-        k_group = cuda.local.array(UNROLL, float32)
-        staged = cuda.local.array(WARP, float32)
-        split_max = cuda.local.array(UNROLL, float32)
-        split_sum = cuda.local.array(UNROLL, float32)
-        outs = cuda.local.array((DIM_ROUNDS, UNROLL), float32)
-        accs = cuda.local.array(DIM_ROUNDS, float32)
-        weights_sh = cuda.shared.array((WARPS, WARP), float32)
-        values_sh = cuda.shared.array((WARPS, WARP, STAGED), float32)
+        shared = cuda.shared.array((WARPS, WARP), float32)          # a warp's weights of its keys or splits
         if first == 0:
             thread = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
             threads = cuda.gridDim.x * cuda.blockDim.x
@@ -164,29 +134,27 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                 for base in range(0, items, n_warps):
                     item = base + gw
                     head, j = item // HALF, item % HALF
-                    column = head * D + j if item < items else -1
-                    for r0 in range(0, N, ROWS):
-                        lane_dots(wqkv, column, column + HALF, WC, x_pairs, r0, N, attn_norm, True, lane, dots,
-                                  dots_2, squares)
-                        if lane < ROWS and r0 + lane < N and column >= 0:
-                            n = r0 + lane
-                            rstd = float32(1.0) / math.sqrt(squares[lane] / float32(C) + eps)
-                            u1, u2 = dots[lane] * rstd, dots_2[lane] * rstd
-                            b = n // T
-                            p = pos[b] + n % T
-                            if head >= H + KV:              # a value head: as it is
-                                if p >= 0 and p < S:
-                                    v_cache[b, p, head - H - KV, j] = stored(v_cache, u1)
-                                    v_cache[b, p, head - H - KV, j + HALF] = stored(v_cache, u2)
-                            elif p >= 0 and p < S:          # a query or key head: rotated at p
+                    column = head * D + j
+                    P = C // 2 if item < items else 0
+                    for n in range(N):
+                        u1, u2, squares = row_dots(wqkv, column, column + HALF, WC, x_pairs, n, P, attn_norm, True,
+                                                   lane)
+                        b = n // T
+                        p = pos[b] + n % T
+                        if lane == 0 and P > 0 and p >= 0 and p < S:
+                            rstd = float32(1.0) / math.sqrt(squares / float32(C) + eps)
+                            u1, u2 = u1 * rstd, u2 * rstd
+                            if head < H + KV:               # a query or key head: rotated at p
                                 c, sn = cos[p, j], sin[p, j]
                                 u1, u2 = u1 * c - u2 * sn, u2 * c + u1 * sn
-                                if head < H:
-                                    qkv[n, column] = stored(qkv, u1)
-                                    qkv[n, column + HALF] = stored(qkv, u2)
-                                else:
-                                    k_cache[b, p, head - H, j] = stored(k_cache, u1)
-                                    k_cache[b, p, head - H, j + HALF] = stored(k_cache, u2)
+                            if head < H:
+                                qkv[n, column] = stored(qkv, u1)
+                                qkv[n, column + HALF] = stored(qkv, u2)
+                            else:                           # into the cache at p
+                                cache = k_flat if head < H + KV else v_flat
+                                at = ((b * S + p) * KV + (head - H) % KV) * D + j
+                                cache[at] = stored(cache, u1)
+                                cache[at + HALF] = stored(cache, u2)
             elif phase == 1:                                # each split's scores, max, sum and values
                 items = N * H * NS
                 for base in range(0, items, n_warps):
@@ -202,100 +170,88 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                     g = hq // G
                     s = first_key + lane
                     live = ok and s <= p                    # this lane holds a key
-                    key = min(s, p) if ok else 0            # clamped: every lane loads
+                    key_at = ((b * S + (min(s, p) if ok else 0)) * KV + g) * D
                     q_n = n if ok else 0
                     dot = float32(0.0)
-                    for j0 in range(0, D, UNROLL):
-                        for u in range(UNROLL):             # a group's loads first
-                            j = min(j0 + u, D - 1)
-                            q_group[u] = to_f32(qkv[q_n, hq * D + j])
-                            k_group[u] = to_f32(k_cache[b, key, g, j])
-                        for u in range(UNROLL):
-                            if j0 + u < D:
-                                dot += q_group[u] * k_group[u]
+                    for j in range(D):                      # loads only: all in flight at once
+                        dot += to_f32(qkv[q_n, hq * D + j]) * to_f32(k_flat[key_at + j])
                     score = dot * scale if live else float32(-math.inf)
                     top = warp_max(score)
                     e = math.exp(score - top) if live else float32(0.0)
                     total = warp_sum(e)
-                    weights_sh[warp, lane] = e
+                    shared[warp, lane] = e
+                    sync_warp()
                     n_keys = min(WARP, p + 1 - first_key) if ok else 0
-                    for r in range(DIM_ROUNDS):
-                        for j in range(WARP):               # stage dimensions r WARP + j: lane = key
-                            staged[j] = to_f32(v_cache[b, key, g, min(r * WARP + j, D - 1)])
-                        for j in range(WARP):
-                            values_sh[warp, lane, j] = staged[j]
-                        sync_warp()
-                        acc = float32(0.0)                  # lane = dimension
+                    for r in range(DIM_ROUNDS):             # lane = dimension d: the keys' values in order
+                        d = min(r * WARP + lane, D - 1)
+                        acc = float32(0.0)
                         for k in range(WARP):
                             if k < n_keys:
-                                acc += weights_sh[warp, k] * values_sh[warp, k, lane]
-                        d = r * WARP + lane
-                        if ok and d < D:
+                                acc += shared[warp, k] * to_f32(v_flat[((b * S + first_key + k) * KV + g) * D + d])
+                        if ok and r * WARP + lane < D:
                             part_o[row, sp, d] = acc
-                        sync_warp()                         # the values are read before the next ones
                     if ok and lane == 0:
                         part_max[row, sp] = top
                         part_sum[row, sp] = total
+                    sync_warp()                             # the weights are read before the next item's
             elif phase == 2:                                # o: the splits rescaled and added in order
                 for base in range(0, N * H, n_warps):
                     row = base + gw
-                    if row < N * H:
-                        n, hq = row // H, row % H
-                        p = pos[n // T] + n % T
-                        valid = p >= 0 and p < S
-                        n_splits = p // WARP + 1 if valid else 0
-                        top = float32(-math.inf)
-                        for sp0 in range(0, n_splits, UNROLL):
-                            for u in range(UNROLL):         # a group's loads first
-                                split_max[u] = part_max[row, min(sp0 + u, NS - 1)]
-                            for u in range(UNROLL):
-                                if sp0 + u < n_splits:
-                                    top = max(top, split_max[u])
-                        total = float32(0.0)
-                        for r in range(DIM_ROUNDS):
-                            accs[r] = float32(0.0)
-                        for sp0 in range(0, n_splits, UNROLL):
-                            for u in range(UNROLL):
-                                sp = min(sp0 + u, NS - 1)
-                                split_max[u] = part_max[row, sp]
-                                split_sum[u] = part_sum[row, sp]
-                                for r in range(DIM_ROUNDS):
-                                    outs[r, u] = part_o[row, sp, min(r * WARP + lane, D - 1)]
-                            for u in range(UNROLL):
-                                if sp0 + u < n_splits:
-                                    rescale = math.exp(split_max[u] - top)
-                                    total += split_sum[u] * rescale
-                                    for r in range(DIM_ROUNDS):
-                                        accs[r] += outs[r, u] * rescale
-                        for r in range(DIM_ROUNDS):
-                            d = r * WARP + lane
-                            if d < D:
-                                o[n, hq * D + d] = stored(o, accs[r] / total if valid else float32(0.0))
+                    n, hq = min(row // H, N - 1), row % H
+                    p = pos[n // T] + n % T
+                    ok = row < N * H
+                    valid = ok and p >= 0 and p < S
+                    n_splits = p // WARP + 1 if valid else 0
+                    top = float32(-math.inf)                # lane = split sp0 + lane
+                    for sp0 in range(0, NS, WARP):
+                        if sp0 + lane < n_splits:
+                            top = max(top, part_max[row, sp0 + lane])
+                    top = warp_max(top)
+                    total = float32(0.0)
+                    for sp0 in range(0, NS, WARP):
+                        if sp0 + lane < n_splits:
+                            total += part_sum[row, sp0 + lane] * math.exp(part_max[row, sp0 + lane] - top)
+                    total = warp_sum(total)
+                    for r in range(DIM_ROUNDS):             # lane = dimension d
+                        d = min(r * WARP + lane, D - 1)
+                        acc = float32(0.0)
+                        for sp0 in range(0, NS, WARP):
+                            shared[warp, lane] = math.exp(part_max[row, sp0 + lane] - top) \
+                                if sp0 + lane < n_splits else float32(0.0)
+                            sync_warp()
+                            for k in range(WARP):
+                                if sp0 + k < n_splits:
+                                    acc += part_o[row, sp0 + k, d] * shared[warp, k]
+                            sync_warp()
+                        if ok and r * WARP + lane < D:
+                            o[n, hq * D + d] = stored(o, acc / total if valid else float32(0.0))
             elif phase == 3:                                # h = x + o @ wo.T
                 for base in range(0, C, n_warps):
-                    col = base + gw if base + gw < C else -1
-                    for r0 in range(0, N, ROWS):
-                        lane_dots(wo, col, -1, WHD, o_pairs, r0, N, ffn_norm, False, lane, dots, dots_2, squares)
-                        if lane < ROWS and r0 + lane < N and col >= 0:
-                            h[r0 + lane, col] = stored(h, to_f32(x[r0 + lane, col]) + dots[lane])
+                    col = base + gw
+                    P = (H * D) // 2 if col < C else 0
+                    for n in range(N):
+                        dot, _, _ = row_dots(wo, col, -1, WHD, o_pairs, n, P, ffn_norm, False, lane)
+                        if lane == 0 and P > 0:
+                            h[n, col] = stored(h, to_f32(x[n, col]) + dot)
             elif phase == 4:                                # act = silu(n @ w_gate.T) * (n @ w_up.T)
                 for base in range(0, F, n_warps):
-                    f = base + gw if base + gw < F else -1
-                    for r0 in range(0, N, ROWS):
-                        lane_dots(w_gate_up, f, F + f, WC, h_pairs, r0, N, ffn_norm, True, lane, dots, dots_2,
-                                  squares)
-                        if lane < ROWS and r0 + lane < N and f >= 0:
-                            rstd = float32(1.0) / math.sqrt(squares[lane] / float32(C) + eps)
-                            z = dots[lane] * rstd
+                    f = base + gw
+                    P = C // 2 if f < F else 0
+                    for n in range(N):
+                        gate, up, squares = row_dots(w_gate_up, f, F + f, WC, h_pairs, n, P, ffn_norm, True, lane)
+                        if lane == 0 and P > 0:
+                            rstd = float32(1.0) / math.sqrt(squares / float32(C) + eps)
+                            z = gate * rstd
                             sigmoid = float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # no overflow
-                            act[r0 + lane, f] = stored(act, z * sigmoid * (dots_2[lane] * rstd))
+                            act[n, f] = stored(act, z * sigmoid * (up * rstd))
             else:                                           # y = h + act @ w_down.T
                 for base in range(0, C, n_warps):
-                    col = base + gw if base + gw < C else -1
-                    for r0 in range(0, N, ROWS):
-                        lane_dots(w_down, col, -1, WF, act_pairs, r0, N, ffn_norm, False, lane, dots, dots_2, squares)
-                        if lane < ROWS and r0 + lane < N and col >= 0:
-                            y[r0 + lane, col] = stored(y, to_f32(h[r0 + lane, col]) + dots[lane])
+                    col = base + gw
+                    P = F // 2 if col < C else 0
+                    for n in range(N):
+                        dot, _, _ = row_dots(w_down, col, -1, WF, act_pairs, n, P, ffn_norm, False, lane)
+                        if lane == 0 and P > 0:
+                            y[n, col] = stored(y, to_f32(h[n, col]) + dot)
         if last - first > 1:
             leave_grid(counter)
 
@@ -324,8 +280,9 @@ def forward(x, attn_norm, wqkv, k_cache, v_cache, pos, wo, ffn_norm, w_gate_up, 
     h = runtime.empty((N, C), x.dtype)
     act = runtime.empty((N, F), x.dtype)
     y = runtime.empty((N, C), x.dtype)
-    args = (runtime.grid_counter(), rows, pairs(rows), pairs(attn_norm), pairs(wqkv), k_cache, v_cache, pos, cos, sin,
-            pairs(wo), pairs(ffn_norm), pairs(w_gate_up), pairs(w_down), float32(eps), T, H, KV, qkv, part_max,
+    args = (runtime.grid_counter(), rows, pairs(rows), pairs(attn_norm), pairs(wqkv), k_cache.reshape(k_cache.size),
+            v_cache.reshape(v_cache.size), pos, cos, sin, pairs(wo), pairs(ffn_norm), pairs(w_gate_up), pairs(w_down),
+            float32(eps), B, T, S, H, KV, qkv, part_max,
             part_sum, part_o, o, pairs(o), h, pairs(h), act, pairs(act), y)
     kernel = _kernel(D, _words(C), _words(H * D), _words(F))
     threads = WARPS * WARP
