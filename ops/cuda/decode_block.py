@@ -45,7 +45,7 @@ from numba import cuda, float32, uint64
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decode_attention import rope_table
 from nanoeuler_ops.cuda.runtime import (SIMULATOR, WARP, grid_barrier, leave_grid, let_next_start, pair_values, pairs,
-                                        prefetch_l2, stored, sync_warp, to_f32, wait_for_previous, warp_max, warp_sum)
+                                        prefetch_l2, stored, stored_pair, sync_warp, to_f32, wait_for_previous, warp_max, warp_sum)
 from nanoeuler_ops.decode_block import check_shapes
 
 PHASES = 6
@@ -53,6 +53,7 @@ WARPS = 2 if SIMULATOR else 8     # warps a block (two keep the simulator quick)
 BLOCKS_PER_SM = 2                 # at most: fewer blocks, fewer arrivals at each barrier
 MAX_WORDS = 64                    # pairs a lane reads of a matrix row: rows of up to 4096 elements
 PREFETCH_WORDS = 16               # words a prefetch asks for (a 128-byte line of float32 pairs)
+LINE = 32                         # elements a prefetch of a cache asks for (a 128-byte line of float32)
 JIT_OPTIONS = {} if SIMULATOR else {"max_registers": 128}   # two blocks a multiprocessor
 
 
@@ -65,7 +66,7 @@ def _words(n: int) -> int:
 def _kernel(D: int, WC: int, WHD: int, WF: int):
     """The kernel for head size D and rows of WC, WHD and WF words a lane (C, H D and F elements)."""
     HALF = D // 2
-    DIM_ROUNDS = -(-D // WARP)
+    PAIR_ROUNDS = -(-HALF // WARP)        # rounds of a warp over a head's pairs of dimensions
     scale = float32(1.0 / math.sqrt(D))
 
     @cuda.jit(device=True, inline=True)
@@ -101,13 +102,13 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
             prefetch_l2(w, i)
 
     @cuda.jit(cache=True, **JIT_OPTIONS)
-    def block(first, last, counter, x, x_pairs, attn_norm, wqkv, k_flat, v_flat, pos, cos, sin, wo, ffn_norm,
-              w_gate_up, w_down, eps, B, T, S, H, KV, qkv, part_max, part_sum, part_o, o, o_pairs, h, h_pairs, act,
-              act_pairs, y):
-        # x (N, C) and its pairs; the norms' and matrices' pairs; the caches (B, S, KV, D) as flat runs,
-        # pos (B,), cos, sin (S, D/2) -> y (N, C); scratch qkv (N, (H + 2 KV) D) (the rotated queries),
-        # part_max, part_sum (N H, splits), part_o (N H, splits, D), o (N, H D), h (N, C), act (N, F);
-        # phases first .. last - 1
+    def block(first, last, counter, x, x_pairs, attn_norm, wqkv, k_flat, v_flat, k_pairs, v_pairs, pos, cos, sin, wo,
+              ffn_norm, w_gate_up, w_down, eps, B, T, S, H, KV, qkv, q_pairs, part_max, part_sum, part_o, o, o_pairs, h,
+              h_pairs, act, act_pairs, y):
+        # x (N, C) and its pairs; the norms' and matrices' pairs; the caches (B, S, KV, D) as flat runs and
+        # their pairs, pos (B,), cos, sin (S, D/2) -> y (N, C); scratch qkv (N, (H + 2 KV) D) (the rotated
+        # queries) and its pairs, part_max, part_sum (N H, splits), part_o (N H, splits, D/2 pairs), o (N, H D)
+        # and its pairs, h (N, C), act (N, F); phases first .. last - 1
         N, C = x.shape
         NS = part_max.shape[1]
         F = act.shape[1]
@@ -130,6 +131,14 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
             if phase > first:
                 grid_barrier(counter, phase - first)
             if phase == 0:                                  # q, k, v of each head's column pair j, j + D/2
+                thread = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+                threads = cuda.gridDim.x * cuda.blockDim.x
+                for b in range(B):                          # the rows' cached keys and values into L2
+                    if pos[b] >= 0 and pos[b] < S:
+                        row_start = b * S * KV * D
+                        for i in range(row_start + thread * LINE, row_start + pos[b] * KV * D, threads * LINE):
+                            prefetch_l2(k_flat, i)
+                            prefetch_l2(v_flat, i)
                 items = (H + 2 * KV) * HALF
                 for base in range(0, items, n_warps):
                     item = base + gw
@@ -170,11 +179,13 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                     g = hq // G
                     s = first_key + lane
                     live = ok and s <= p                    # this lane holds a key
-                    key_at = ((b * S + (min(s, p) if ok else 0)) * KV + g) * D
-                    q_n = n if ok else 0
+                    key_at = ((b * S + (min(s, p) if ok else 0)) * KV + g) * HALF   # pairs
+                    q_at = ((n if ok else 0) * (H + 2 * KV) + hq) * HALF
                     dot = float32(0.0)
-                    for j in range(D):                      # loads only: all in flight at once
-                        dot += to_f32(qkv[q_n, hq * D + j]) * to_f32(k_flat[key_at + j])
+                    for j in range(HALF):                   # loads only: many in flight at once
+                        q_lo, q_hi = pair_values(q_pairs[q_at + j])
+                        k_lo, k_hi = pair_values(k_pairs[key_at + j])
+                        dot += q_lo * k_lo + q_hi * k_hi
                     score = dot * scale if live else float32(-math.inf)
                     top = warp_max(score)
                     e = math.exp(score - top) if live else float32(0.0)
@@ -182,14 +193,18 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                     shared[warp, lane] = e
                     sync_warp()
                     n_keys = min(WARP, p + 1 - first_key) if ok else 0
-                    for r in range(DIM_ROUNDS):             # lane = dimension d: the keys' values in order
-                        d = min(r * WARP + lane, D - 1)
-                        acc = float32(0.0)
+                    for r in range(PAIR_ROUNDS):            # lane = pair of dimensions: the keys' values in order
+                        j = min(r * WARP + lane, HALF - 1)
+                        acc_lo = float32(0.0)
+                        acc_hi = float32(0.0)
                         for k in range(WARP):
                             if k < n_keys:
-                                acc += shared[warp, k] * to_f32(v_flat[((b * S + first_key + k) * KV + g) * D + d])
-                        if ok and r * WARP + lane < D:
-                            part_o[row, sp, d] = acc
+                                v_lo, v_hi = pair_values(v_pairs[((b * S + first_key + k) * KV + g) * HALF + j])
+                                acc_lo += shared[warp, k] * v_lo
+                                acc_hi += shared[warp, k] * v_hi
+                        if ok and r * WARP + lane < HALF:
+                            part_o[row, sp, 2 * j] = acc_lo
+                            part_o[row, sp, 2 * j + 1] = acc_hi
                     if ok and lane == 0:
                         part_max[row, sp] = top
                         part_sum[row, sp] = total
@@ -212,19 +227,24 @@ def _kernel(D: int, WC: int, WHD: int, WF: int):
                         if sp0 + lane < n_splits:
                             total += part_sum[row, sp0 + lane] * math.exp(part_max[row, sp0 + lane] - top)
                     total = warp_sum(total)
-                    for r in range(DIM_ROUNDS):             # lane = dimension d
-                        d = min(r * WARP + lane, D - 1)
-                        acc = float32(0.0)
+                    for r in range(PAIR_ROUNDS):            # lane = pair of dimensions
+                        j = min(r * WARP + lane, HALF - 1)
+                        acc_lo = float32(0.0)
+                        acc_hi = float32(0.0)
                         for sp0 in range(0, NS, WARP):
                             shared[warp, lane] = math.exp(part_max[row, sp0 + lane] - top) \
                                 if sp0 + lane < n_splits else float32(0.0)
                             sync_warp()
                             for k in range(WARP):
                                 if sp0 + k < n_splits:
-                                    acc += part_o[row, sp0 + k, d] * shared[warp, k]
+                                    rescale = shared[warp, k]
+                                    acc_lo += part_o[row, sp0 + k, 2 * j] * rescale
+                                    acc_hi += part_o[row, sp0 + k, 2 * j + 1] * rescale
                             sync_warp()
-                        if ok and r * WARP + lane < D:
-                            o[n, hq * D + d] = stored(o, acc / total if valid else float32(0.0))
+                        if ok and r * WARP + lane < HALF:
+                            if not valid:
+                                total = float32(1.0)        # a skipped token: o is 0
+                            o_pairs[(n * H + hq) * HALF + j] = stored_pair(o_pairs, acc_lo / total, acc_hi / total)
             elif phase == 3:                                # h = x + o @ wo.T
                 for base in range(0, C, n_warps):
                     col = base + gw
@@ -281,9 +301,9 @@ def forward(x, attn_norm, wqkv, k_cache, v_cache, pos, wo, ffn_norm, w_gate_up, 
     act = runtime.empty((N, F), x.dtype)
     y = runtime.empty((N, C), x.dtype)
     args = (runtime.grid_counter(), rows, pairs(rows), pairs(attn_norm), pairs(wqkv), k_cache.reshape(k_cache.size),
-            v_cache.reshape(v_cache.size), pos, cos, sin, pairs(wo), pairs(ffn_norm), pairs(w_gate_up), pairs(w_down),
-            float32(eps), B, T, S, H, KV, qkv, part_max,
-            part_sum, part_o, o, pairs(o), h, pairs(h), act, pairs(act), y)
+            v_cache.reshape(v_cache.size), pairs(k_cache), pairs(v_cache), pos, cos, sin, pairs(wo), pairs(ffn_norm),
+            pairs(w_gate_up), pairs(w_down), float32(eps), B, T, S, H, KV, qkv, pairs(qkv), part_max, part_sum, part_o, o,
+            pairs(o), h, pairs(h), act, pairs(act), y)
     kernel = _kernel(D, _words(C), _words(H * D), _words(F))
     threads = WARPS * WARP
     if SIMULATOR:       # no barrier opens there: a launch a phase
