@@ -6,9 +6,8 @@ One `Decoder` serves one model and one batch size. It holds, on the model's back
 position, RNG counter, seed and sampling settings (B,), and the proposals' distributions
 (B, K - 1, V). A step is backend work only, built from registered ops:
 
-    embedding -> per block: decode_block, that is norm_linear (q, k, v) -> decode_attention (RoPE,
-                 cache, attention) -> linear_residual (wo) -> norm_swiglu (gate, up) -> linear_residual
-                 (w_down), one launch on the GPU
+    embedding -> per block: norm_linear (q, k, v) -> decode_attention (RoPE, cache, attention)
+                 -> linear_residual (wo) -> norm_swiglu (gate, up) -> linear_residual (w_down)
     -> norm_linear (final norm, heads) -> sample (verify, draw, advance the state)
 
 so the backend captures it once (a CUDA graph on the GPU) and replays it; only the accepted
@@ -92,8 +91,8 @@ import numpy as np
 
 from nanoeuler_core import registry
 
-DECODE_OPS = ("embedding", "norm_linear", "decode_block", "sample")
-WEIGHT_OPS = ("norm_linear", "decode_block")   # the decoding ops that read bf16 weights
+DECODE_OPS = ("embedding", "norm_linear", "decode_attention", "linear_residual", "norm_swiglu", "sample")
+WEIGHT_OPS = ("norm_linear", "linear_residual", "norm_swiglu")   # the decoding ops that read bf16 weights
 MAX_SEED = 2**62          # row seeds live in [0, MAX_SEED) (the sample op's RNG key)
 DECODERS_PER_MODEL = 4    # decoders (KV caches, captured graphs) kept per model for later calls
 PREFILL_MIN = 16          # the shortest prefill a backend that captures runs (shorter prompts are padded)
@@ -261,14 +260,18 @@ class Decoder:
         """Tokens ids (B*T,) at positions pos[b] + t -> the last block's output (B*T, C); their keys
         and values go into `caches`."""
         f, cfg = self.ops, self.cfg
-        KV, eps = cfg.n_kv_heads, cfg.norm_eps
+        H, KV, D, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         x, _ = f.embedding.forward(ids, self.w.tok_emb)
-        x = x.reshape(B, T, cfg.dim)
         for L, (k_cache, v_cache) in zip(self.layers, caches):
-            # x + attention of rmsnorm(x) (RoPE, the cache), then + the feed-forward step of rmsnorm of that
-            x, _ = f.decode_block.forward(x, L.attn_norm, L.wqkv, k_cache, v_cache, pos, L.wo, L.ffn_norm,
-                                          L.w_gate_up, L.w_down, n_kv_heads=KV, theta=cfg.rope_theta, eps=eps)
-        return x.reshape(B * T, cfg.dim)
+            # attention Euler step: x = x + wo(attention(rope(q), rope(k), v)) of rmsnorm(x)
+            qkv, _ = f.norm_linear.forward(x, L.attn_norm, L.wqkv, eps=eps)
+            o, _ = f.decode_attention.forward(qkv.reshape(B, T, H + 2 * KV, D), k_cache, v_cache, pos,
+                                              n_kv_heads=KV, theta=cfg.rope_theta)
+            x, _ = f.linear_residual.forward(o.reshape(B * T, H * D), L.wo, x)
+            # feed-forward Euler step: x = x + w_down(silu(w_gate h) * w_up h) of rmsnorm(x)
+            act, _ = f.norm_swiglu.forward(x, L.ffn_norm, L.w_gate_up, eps=eps)
+            x, _ = f.linear_residual.forward(act, L.w_down, x)
+        return x
 
     def _state(self, first: int, n: int, W: int) -> tuple:
         """The sample op's state of rows first..first+n-1 at width W: tokens (n, W), drafts (n, W - 1, V),

@@ -38,7 +38,7 @@ MAX_HEAD_DIM = 256              # a split's values are staged in shared memory (
 _tables: dict = {}              # (S, D, theta) -> device cos, sin (S, D/2)
 
 
-def rope_table(S: int, D: int, theta: float):
+def _table(S: int, D: int, theta: float):
     """Device float32 cos and sin (S, D/2) from the float64 tables every backend shares; made on
     the first (eager) call, before any graph is captured."""
     key = (S, D, theta)
@@ -254,7 +254,7 @@ def forward(qkv, k_cache, v_cache, pos, *, n_kv_heads, theta):
     H = heads - 2 * KV
     if D > MAX_HEAD_DIM:
         raise ValueError(f"decode_attention on the GPU supports head sizes up to {MAX_HEAD_DIM}, got {D}")
-    cos, sin = rope_table(S, D, float(theta))
+    cos, sin = _table(S, D, float(theta))
     n_splits = (S + SPLIT - 1) // SPLIT
     part_max = runtime.empty((B * T * H, n_splits), np.float32)
     part_sum = runtime.empty((B * T * H, n_splits), np.float32)

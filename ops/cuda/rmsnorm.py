@@ -40,7 +40,7 @@ SLICES = 8                 # threads that sum one column of the partials, each a
 # unsigned integers: no negative-index wraparound. u64(n) * P + p is pair p of row n.
 
 @cuda.jit(device=True, inline=True)
-def load_row(a, n, P, lane, K, words):
+def _load_row(a, n, P, lane, K, words):
     # words[k] <- pair lane + 32 k of row n of a, k < K (P pairs a row, P = 0 for no row); one warp
     row = uint64(n) * uint64(P)
     for k in range(K):
@@ -52,7 +52,7 @@ def load_row(a, n, P, lane, K, words):
 @cuda.jit(device=True, inline=True)
 def _normalize_row(s, w, eps, n, P, lane, K, y, rstd):
     # row n of y = s * rstd * w, rstd[n] = 1 / sqrt(mean(s^2) + eps), from the row's pairs s held as by
-    # load_row (P pairs a row, P = 0 for no row: the warp still joins the reduction); one warp
+    # _load_row (P pairs a row, P = 0 for no row: the warp still joins the reduction); one warp
     ss = float32(0.0)
     for k in range(K):
         if lane + WARP * k < P:
@@ -80,7 +80,7 @@ def _forward(x, w, eps, N, lane_words, y, rstd):
     lane = cuda.threadIdx.x % WARP
     P = w.shape[0] if n < N else 0
     row = cuda.local.array(MAX_WORDS, x.dtype)
-    load_row(x, n, P, lane, K, row)
+    _load_row(x, n, P, lane, K, row)
     _normalize_row(row, w, eps, n, P, lane, K, y, rstd)
 
 
@@ -95,8 +95,8 @@ def _add_forward(x, branch, w, eps, N, lane_words, s, y, rstd):
     row_x = cuda.local.array(MAX_WORDS, x.dtype)
     row_branch = cuda.local.array(MAX_WORDS, branch.dtype)
     row_s = cuda.local.array(MAX_WORDS, s.dtype)
-    load_row(x, n, P, lane, K, row_x)
-    load_row(branch, n, P, lane, K, row_branch)
+    _load_row(x, n, P, lane, K, row_x)
+    _load_row(branch, n, P, lane, K, row_branch)
     row = uint64(n) * uint64(P)
     for k in range(K):
         p = lane + WARP * k
@@ -129,10 +129,10 @@ def _backward(dy, x, w, rstd, ds, has_ds, N, lane_words, dx, dw_partial):
     for first in range(cuda.blockIdx.x * warps, N, cuda.gridDim.x * warps):
         n = first + warp
         pairs_here = P if n < N else 0
-        load_row(dy, n, pairs_here, lane, K, row_dy)
-        load_row(x, n, pairs_here, lane, K, row_x)
+        _load_row(dy, n, pairs_here, lane, K, row_dy)
+        _load_row(x, n, pairs_here, lane, K, row_x)
         if has_ds:
-            load_row(ds, n, pairs_here, lane, K, row_ds)
+            _load_row(ds, n, pairs_here, lane, K, row_ds)
         r = rstd[n] if n < N else float32(0.0)
         dot = float32(0.0)
         for k in range(K):

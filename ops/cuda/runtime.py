@@ -518,90 +518,6 @@ else:
     let_next_start = _grid_dependency_control("griddepcontrol.launch_dependents;")
 
 
-# ---------------------------------------------------------------- persistent kernels
-# A persistent kernel runs no more blocks than the GPU holds at once (`resident_blocks`), each walking
-# phases of work with a grid-wide barrier between them (`grid_barrier`): all of its blocks must be
-# resident, or a barrier would never open. Its counter (`grid_counter`, two int32 on the device,
-# [arrivals, departures]) is zero when a launch starts; barrier i waits for i arrivals of every
-# block, and the last block to leave (`leave_grid`) sets both back to zero for the next launch, so a
-# captured graph replays with nothing to reset. One such kernel runs at a time (they share the
-# counter); a kernel launched with overlap after one waits for it to end before its first barrier.
-# The simulator runs blocks one after another, so no barrier can open there: a persistent kernel is
-# launched there once per phase, with the same work per warp.
-
-_grid_counters: dict = {}   # device id -> its persistent kernels' counter
-
-
-def grid_counter():
-    """The device's counter for persistent kernels, made (zero) on the first, eager, call."""
-    device = 0 if SIMULATOR else cuda.get_current_device().id
-    if device not in _grid_counters:
-        _grid_counters[device] = cuda.to_device(np.zeros(2, np.int32))
-    return _grid_counters[device]
-
-
-def resident_blocks(kernel, threads: int, *args) -> int:
-    """How many blocks of `threads` threads of kernel (compiled for `args`) the GPU holds at once."""
-    return _compiled_for(kernel, args)[0].max_cooperative_grid_blocks(threads)
-
-
-if SIMULATOR:
-    def load_acquire(arr, i):
-        """arr[i] of an int32 array, read at the GPU's scope in acquire order (no cached copy)."""
-        return arr[i]
-else:
-    @intrinsic
-    def load_acquire(typingctx, arr, i):
-        """arr[i] of an int32 array, read at the GPU's scope in acquire order (no cached copy)."""
-        sig = types.int32(arr, types.int64)
-
-        def codegen(context, builder, sig, args):
-            address = builder.ptrtoint(builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]]),
-                                       ir.IntType(64))
-            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.IntType(64)]),
-                               "{ .reg .u64 g; cvta.to.global.u64 g, $1; ld.acquire.gpu.global.u32 $0, [g]; }",
-                               "=r,l", side_effect=True)
-            return builder.call(asm, [address])
-        return sig, codegen
-
-
-@cuda.jit(device=True)
-def grid_barrier(counter, i):
-    """Barrier i (1, 2, ...) of a persistent kernel: returns once every block has reached it, with
-    every write made before it by any block visible. Every thread of every block calls it."""
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        cuda.threadfence()
-        target = i * cuda.gridDim.x
-        cuda.atomic.add(counter, 0, 1)
-        while load_acquire(counter, 0) < target:
-            pass
-        cuda.threadfence()
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
-def leave_grid(counter):
-    """A persistent kernel's block is done with its barriers: the last to leave zeroes the counter."""
-    if cuda.threadIdx.x == 0 and cuda.atomic.add(counter, 1, 1) == cuda.gridDim.x - 1:
-        counter[0] = 0
-        counter[1] = 0
-
-
-if SIMULATOR:
-    @cuda.jit(device=True)
-    def sync_warp():
-        """The warp's lanes wait for each other (their shared-memory writes seen). Every thread of
-        the block calls it: the simulator synchronises the block."""
-        cuda.syncthreads()
-else:
-    @cuda.jit(device=True, inline=True)
-    def sync_warp():
-        """The warp's lanes wait for each other (their shared-memory writes seen). Every thread of
-        the block calls it: the simulator synchronises the block."""
-        cuda.syncwarp()
-
-
 # ---------------------------------------------------------------- reductions
 # Every thread of the block must call these (they synchronise the block under the simulator, and
 # block_reduce always does): threads with nothing to add pass 0 (or -inf for a max).
@@ -646,10 +562,6 @@ if SIMULATOR:
         """Max of x over the 32 lanes of the warp, returned to every lane."""
         return simulated_reduce(x, WARP, True)
 
-    def warp_sums(values):
-        """Each of the (up to LANE_SLOTS) values of a local array summed over the warp, in place."""
-        values[:] = simulated_reduce(values, WARP, False)
-
     def warp_ballot(predicate):
         """A mask with bit `lane` set where that lane's predicate holds, returned to every lane."""
         lanes = simulated_lanes(bool(predicate), WARP)
@@ -680,12 +592,6 @@ else:
             x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, offset))
             offset //= 2
         return x
-
-    @cuda.jit(device=True, inline=True)
-    def warp_sums(values):
-        """Each of the (up to LANE_SLOTS) values of a local array summed over the warp, in place."""
-        for i in range(values.shape[0]):
-            values[i] = warp_sum(values[i])
 
     @cuda.jit(device=True, inline=True)
     def warp_ballot(predicate):
