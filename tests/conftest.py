@@ -6,6 +6,8 @@ import ctypes.util
 import glob
 import json
 import os
+import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,16 +23,56 @@ if not _cuda_driver_present():
 os.environ.setdefault("NANOEULER_COMPILE_AHEAD", "0")
 
 
-def _simulator_polls_politely() -> None:
-    """Numba's CUDA simulator runs each CUDA thread of a block as a Python thread, and a manager
-    thread polls them, in a loop that never blocks, to release them together at syncthreads. That
-    loop keeps the GIL for a whole switch interval (5 ms) whenever it has it, so every barrier and
-    every thread's turn waits for it: the simulated kernels ran 1.4x (compute-bound attention) to
-    5x (the barrier-bound sampling and reductions) slower than needed. This is numba-cuda 0.30.4's
-    BlockManager.run with one change: the manager yields the GIL (sleep(0)) after each round of
-    polling. Another numba-cuda keeps its own loop (correct, only slower)."""
+class _BlockBarrier:
+    """syncthreads for one simulated block: a thread waits until every thread still running has
+    arrived (a thread that has returned no longer counts, as Numba's simulator has it); abort()
+    releases the waiting threads with an error when one thread has failed."""
+
+    def __init__(self, threads: int) -> None:
+        import threading
+
+        self._live, self._waiting, self._generation, self._broken = threads, 0, 0, False
+        self._cond = threading.Condition()
+
+    def wait(self) -> None:
+        with self._cond:
+            generation = self._generation
+            self._waiting += 1
+            if self._waiting == self._live:
+                self._release()
+            while generation == self._generation and not self._broken:
+                self._cond.wait()
+            if self._broken:
+                raise RuntimeError("another thread of the block failed")
+
+    def leave(self) -> None:
+        with self._cond:
+            self._live -= 1
+            if self._waiting and self._waiting == self._live:
+                self._release()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._broken = True
+            self._cond.notify_all()
+
+    def _release(self) -> None:
+        self._waiting = 0
+        self._generation += 1
+        self._cond.notify_all()
+
+
+def _simulator_blocks_on_barriers() -> None:
+    """Numba's CUDA simulator runs each CUDA thread of a block as a Python thread, started for that
+    block, and a manager thread polls them in a loop to release them together at syncthreads: every
+    block pays for starting its threads, and every barrier waits for the loop to come round while
+    the loop competes with the threads for the GIL. Here (numba-cuda 0.30.4's BlockManager.run and
+    BlockThread.syncthreads replaced) a pool of threads, one per thread position of a block shape,
+    runs block after block, and a block's threads meet at a condition-variable barrier (the last to
+    arrive releases the others): nothing is started per block and nothing polls. Another numba-cuda
+    keeps its own loop (correct, only slower)."""
     import importlib.metadata
-    import time
+    import threading
 
     import numpy as np
 
@@ -38,41 +80,67 @@ def _simulator_polls_politely() -> None:
         return
     from numba.cuda.simulator import kernel
 
-    def run(self, grid_point, *args):
-        threads, livethreads, blockedthreads = set(), set(), set()
-        for block_point in np.ndindex(*self._block_dim):
-            def target():
-                self._f(*args)
+    class PooledThread(kernel.BlockThread):
+        """One thread position of a block shape, running the blocks handed to it one at a time."""
 
-            t = kernel.BlockThread(target, self, grid_point, block_point, self._debug)
-            t.start()
-            threads.add(t)
-            livethreads.add(t)
-        while livethreads:
-            for t in livethreads:
-                if t.syncthreads_blocked:
-                    blockedthreads.add(t)
-                elif t.exception:
-                    for t_other in threads:
-                        t_other.abort = True
-                        t_other.syncthreads_blocked = False
-                        t_other.syncthreads_event.set()
-                    raise t.exception[0].with_traceback(t.exception[1])
-            if livethreads == blockedthreads:
-                for t in blockedthreads:
-                    t.syncthreads_blocked = False
-                    t.syncthreads_event.set()
-                blockedthreads = set()
-            livethreads = {t for t in livethreads if t.is_alive()}
-            time.sleep(0)   # the one change: let the simulated threads run
+        def __init__(self, block_dim, thread_point):
+            super().__init__(None, SimpleNamespace(_block_dim=block_dim), (0, 0, 0), thread_point, False)
+            self.block = None                      # (manager, grid point, args, finished) of the next block
+            self.ready = threading.Event()
+
+        def run(self):
+            while True:
+                self.ready.wait()
+                self.ready.clear()
+                manager, grid_point, args, finished = self.block
+                self._manager, self.blockIdx, self.exception = manager, kernel.Dim3(*grid_point), None
+                try:
+                    manager._f(*args)
+                except Exception as e:
+                    message = f"tid={list(self.threadIdx)} ctaid={list(self.blockIdx)}"
+                    self.exception = (type(e)(f"{message}: {e}" if str(e) else message), sys.exc_info()[2])
+                    manager.failed.append(self)
+                    manager.barrier.abort()
+                finally:
+                    manager.barrier.leave()
+                    finished()
+
+    pools: dict = {}    # block shape -> its pooled threads
+
+    def run(self, grid_point, *args):
+        block_dim = tuple(self._block_dim)
+        if block_dim not in pools:
+            pools[block_dim] = [PooledThread(block_dim, point) for point in np.ndindex(*block_dim)]
+            for t in pools[block_dim]:
+                t.start()
+        threads = pools[block_dim]
+        self.barrier, self.failed = _BlockBarrier(len(threads)), []
+        done = threading.Condition()
+        left = [len(threads)]
+
+        def finished():
+            with done:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.notify()
+
         for t in threads:
-            if t.exception:
-                raise t.exception[0].with_traceback(t.exception[1])
+            t.block = (self, grid_point, args, finished)
+            t.ready.set()
+        with done:
+            while left[0]:
+                done.wait()
+        for t in self.failed[:1]:   # the first thread that failed, not those the abort released
+            raise t.exception[0].with_traceback(t.exception[1])
+
+    def syncthreads(self):
+        self._manager.barrier.wait()
 
     kernel.BlockManager.run = run
+    kernel.BlockThread.syncthreads = syncthreads
 
 
-_simulator_polls_politely()
+_simulator_blocks_on_barriers()
 
 
 @pytest.fixture(scope="session")

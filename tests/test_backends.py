@@ -6,8 +6,10 @@ kernels fills a backend's gap but never replaces a kernel the backend has."""
 import importlib.metadata
 from types import SimpleNamespace
 
+import numba
 import numpy as np
 import pytest
+from numba import cuda
 from typer.testing import CliRunner
 
 from minimal_backend import BACKEND as MINIMAL
@@ -141,3 +143,31 @@ def test_cpu_steps_reuse_their_memory_instead_of_faulting_in_fresh_pages():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     model.loss_and_backward(ids[:, :-1], ids[:, 1:])
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000   # a 16 MB block alone is 4,096 pages
+
+
+@pytest.mark.skipif(not numba.config.ENABLE_CUDASIM, reason="the CUDA simulator's thread blocks")
+def test_simulated_blocks_meet_at_barriers_and_report_the_failing_thread():
+    """The simulator as tests/conftest.py runs it: threads that return early leave the block's
+    barriers, a failing thread's error names it (and does not hang the others), and the block's
+    threads serve later launches."""
+    @cuda.jit
+    def reverse(a, fail):
+        t = cuda.threadIdx.x
+        staged = cuda.shared.array(64, np.float32)
+        if t >= 40:
+            return
+        staged[t] = t
+        cuda.syncthreads()
+        a[cuda.blockIdx.x, t] = staged[39 - t]
+        if fail and t == 7:
+            a[100, 0] = 1.0
+        cuda.syncthreads()
+
+    a = np.zeros((3, 64), np.float32)
+    reverse[3, 64](a, False)
+    assert a[2, 0] == 39 and a[1, 39] == 0 and a[0, 40] == 0
+    with pytest.raises(IndexError, match=r"tid=\[7, 0, 0\]"):
+        reverse[3, 64](a, True)
+    a[:] = 0
+    reverse[3, 64](a, False)
+    assert a[0, 1] == 38
