@@ -78,7 +78,7 @@ def _simulator_blocks_on_barriers() -> None:
 
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1" or importlib.metadata.version("numba-cuda") != "0.30.4":
         return
-    from numba.cuda.simulator import kernel
+    from numba.cuda.simulator import kernel, kernelapi
 
     class PooledThread(kernel.BlockThread):
         """One thread position of a block shape, running the blocks handed to it one at a time."""
@@ -136,8 +136,24 @@ def _simulator_blocks_on_barriers() -> None:
     def syncthreads(self):
         self._manager.barrier.wait()
 
+    def shared_array(self, shape, dtype, alignment=None):
+        # numba-cuda's FakeCUDAShared.array, keyed by its caller's file and line as there, read from
+        # the caller's frame instead of a whole extracted stack (which every thread of every block
+        # built for every shared array)
+        if alignment is not None:
+            raise RuntimeError("Array alignment is not supported in cudasim")
+        if isinstance(dtype, kernelapi.types.Type):
+            dtype = kernelapi.numpy_support.as_dtype(dtype)
+        if shape == 0:
+            return np.frombuffer(self._dynshared.data, dtype=dtype, count=self._dynshared_size // dtype.itemsize)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        found = self._allocations.get(key)
+        return found if found is not None else self._allocations.setdefault(key, np.empty(shape, dtype))
+
     kernel.BlockManager.run = run
     kernel.BlockThread.syncthreads = syncthreads
+    kernelapi.FakeCUDAShared.array = shared_array
 
 
 _simulator_blocks_on_barriers()
