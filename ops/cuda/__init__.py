@@ -84,7 +84,7 @@ class CudaBackend(Backend):
 
     def to_host(self, arr):
         from nanoeuler_ops.cuda import runtime
-        host = arr.copy_to_host()
+        host = runtime.to_host(arr)
         return runtime.bf16_values(host) if host.dtype == runtime.BF16 else host
 
     def zeros(self, shape, dtype=None):
