@@ -69,8 +69,9 @@ def _simulator_blocks_on_barriers() -> None:
     the loop competes with the threads for the GIL. Here (numba-cuda 0.30.4's BlockManager.run and
     BlockThread.syncthreads replaced) a pool of threads, one per thread position of a block shape,
     runs block after block, and a block's threads meet at a condition-variable barrier (the last to
-    arrive releases the others): nothing is started per block and nothing polls. Another numba-cuda
-    keeps its own loop (correct, only slower)."""
+    arrive releases the others): nothing is started per block and nothing polls. And a shared array
+    is found by its caller's frame, not by a whole extracted stack per thread (`shared_array`).
+    Another numba-cuda keeps its own simulator (correct, only slower)."""
     import importlib.metadata
     import threading
 
