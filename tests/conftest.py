@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -29,8 +30,6 @@ class _BlockBarrier:
     releases the waiting threads with an error when one thread has failed."""
 
     def __init__(self, threads: int) -> None:
-        import threading
-
         self._live, self._waiting, self._generation, self._broken = threads, 0, 0, False
         self._cond = threading.Condition()
 
@@ -73,7 +72,6 @@ def _simulator_blocks_on_barriers() -> None:
     is found by its caller's frame, not by a whole extracted stack per thread (`shared_array`).
     Another numba-cuda keeps its own simulator (correct, only slower)."""
     import importlib.metadata
-    import threading
 
     import numpy as np
 
