@@ -5,12 +5,14 @@
 
 import os
 
-# The CPU backend runs OpenBLAS matrix products between Numba's OpenMP kernels. By default both
-# thread pools spin long while idle and steal the cores from each other (a 2-core step ran 8x
-# slower): OpenMP threads now spin only briefly (enough to catch the next kernel, ~10 us) and
-# OpenBLAS threads sleep at once. These act only if set before NumPy and Numba start their pools,
-# which importing nanoeuler_core first ensures; a value the user set is kept.
-THREAD_ENV = {"GOMP_SPINCOUNT": "3000", "OPENBLAS_THREAD_TIMEOUT": "4"}
+# The CPU backend's step is hundreds of short parallel kernels on Numba's OpenMP threads, with
+# the matrix products run as one OpenBLAS call per thread inside them (OpenBLAS's own pool stays
+# idle). OpenMP threads spin a while after each kernel (300,000 spins, libgomp's default when the
+# variable is unset; the spin is what catches the next kernel without a wake-up, which on 16
+# cores costs 15% of the step at 3,000), and OpenBLAS's idle threads sleep at once so that they
+# never compete with them. These act only if set before NumPy and Numba start their pools, which
+# importing nanoeuler_core first ensures; a value the user set is kept.
+THREAD_ENV = {"GOMP_SPINCOUNT": "300000", "OPENBLAS_THREAD_TIMEOUT": "4"}
 THREAD_ENV_SET_HERE = [name for name in THREAD_ENV if name not in os.environ]
 for _name in THREAD_ENV_SET_HERE:
     os.environ[_name] = THREAD_ENV[_name]

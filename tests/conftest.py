@@ -22,6 +22,8 @@ if not _cuda_driver_present():
 # The test processes already keep every core busy: runs do not compile ahead in a second process
 # (tests/test_warm.py turns it on where it tests it)
 os.environ.setdefault("NANOEULER_COMPILE_AHEAD", "0")
+# Two test processes share the cores: idle OpenMP threads stop spinning soon, leaving them to the other
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 
 class _BlockBarrier:
