@@ -4,10 +4,13 @@ for the math.
 Two kernels, both reading positions from `pos` in device memory (so a captured CUDA graph serves
 every step), each launched to overlap the kernel ahead of it (runtime.launch's overlap):
   1. attend: block (item, split), item = (b, t, key/value head g), covers the SPLIT keys
-     split * SPLIT .. of the query at p = pos[b] + t, for every query head of g's group:
-       - four threads share a key (quad_sum adds their parts of a dot product); thread `lane` of the
-         four holds the rotation pairs (j, j + D/2), j = lane, lane + 4, ... of the key and the
-         value, so RoPE never crosses threads;
+     split * SPLIT .. of the query at p = pos[b] + t, for every query head of g's group. The block
+     is up to MAX_HEADS_AT_ONCE teams of THREADS threads, team i taking the group's query heads
+     i, i + teams, ...: the heads' softmax and weighted sums, each a chain of barriers and
+     reductions, run side by side rather than one after another.
+       - in each team four threads share a key (quad_sum adds their parts of a dot product); thread
+         `lane` of the four holds the rotation pairs (j, j + D/2), j = lane, lane + 4, ... of the
+         key and the value, so RoPE never crosses threads (every team holds the split's keys);
        - a key of this call (position >= pos[b]) is read from qkv and rotated in the block: no block
          waits for another to write it. The block whose split holds p writes the key and value of
          its own token into the cache; no block of this call reads the cache there;
@@ -32,8 +35,9 @@ from nanoeuler_ops.qkv_rope import cos_sin
 
 SPLIT = 32                      # keys per block
 LANES = 4                       # threads per key
-THREADS = SPLIT * LANES
-WARPS = THREADS // WARP
+THREADS = SPLIT * LANES         # threads of a team (one query head at a time)
+WARPS = THREADS // WARP         # warps of a team
+MAX_HEADS_AT_ONCE = 4           # teams a block may have
 MAX_HEAD_DIM = 256              # a split's values are staged in shared memory (32 KB at 256)
 _tables: dict = {}              # (S, D, theta) -> device cos, sin (S, D/2)
 
@@ -87,9 +91,10 @@ def _kernels(D: int):
                 dst[b, row, head, j + half] = hi[i]
 
     @cuda.jit(device=True, inline=True)
-    def stage_queries(qkv, cos, sin, q_rows, b, t, head0, n_heads, p, tid):
+    def stage_queries(qkv, cos, sin, q_rows, b, t, head0, n_heads, p):
         # the queries of heads head0 .. head0 + n_heads - 1 of token (b, t), rotated at p, into q_rows
-        for i in range(tid, n_heads * half, THREADS):
+        # (the whole block)
+        for i in range(cuda.threadIdx.x, n_heads * half, cuda.blockDim.x):
             hq, j = i // half, i % half
             u1, u2 = qkv[b, t, head0 + hq, j], qkv[b, t, head0 + hq, j + half]
             c, sn = cos[p, j], sin[p, j]
@@ -99,7 +104,7 @@ def _kernels(D: int):
     @cuda.jit(cache=True)
     def attend(qkv, k_cache, v_cache, pos, cos, sin, part_max, part_sum, part_o):
         # qkv (B, T, H + 2KV, D), caches (B, S, KV, D), pos (B,), cos, sin (S, D/2)
-        # -> part_max, part_sum (B*T*H, splits), part_o (B*T*H, splits, D)
+        # -> part_max, part_sum (B*T*H, splits), part_o (B*T*H, splits, D); teams of THREADS threads
         B, T, heads, _ = qkv.shape
         S, KV = k_cache.shape[1], k_cache.shape[2]
         H = heads - 2 * KV
@@ -108,7 +113,9 @@ def _kernels(D: int):
         g, bt = item % KV, item // KV
         b, t = bt // T, bt % T
         first = split * SPLIT
-        tid = cuda.threadIdx.x
+        block_tid = cuda.threadIdx.x
+        teams = cuda.blockDim.x // THREADS
+        team, tid = block_tid // THREADS, block_tid % THREADS
         let_next_start()
         wait_for_previous()
         p = pos[b] + t
@@ -116,10 +123,10 @@ def _kernels(D: int):
             return
         q_rows = cuda.shared.array((QHEADS, D), float32)
         values = cuda.shared.array((SPLIT, D), float32)
-        weights = cuda.shared.array(SPLIT, float32)
-        value_parts = cuda.shared.array((PARTS, D), float32)
-        top_part = cuda.shared.array(WARPS, float32)
-        sum_part = cuda.shared.array(WARPS, float32)
+        weights = cuda.shared.array((MAX_HEADS_AT_ONCE, SPLIT), float32)
+        value_parts = cuda.shared.array((MAX_HEADS_AT_ONCE, PARTS, D), float32)
+        top_part = cuda.shared.array((MAX_HEADS_AT_ONCE, WARPS), float32)
+        sum_part = cuda.shared.array((MAX_HEADS_AT_ONCE, WARPS), float32)
         key, lane = tid // LANES, tid % LANES
         warp, wlane = tid // WARP, tid % WARP
         s = first + key
@@ -133,30 +140,40 @@ def _kernels(D: int):
         new_token = s <= p and s >= start     # a token of this call: read from qkv, rotated here
         if new_token:
             load(qkv, b, s - start, H + g, lane, k_lo, k_hi)
-            load(qkv, b, s - start, H + KV + g, lane, v_lo, v_hi)
+            if team == 0:
+                load(qkv, b, s - start, H + KV + g, lane, v_lo, v_hi)
         elif s < start:
             load(k_cache, b, s, g, lane, k_lo, k_hi)
-            load(v_cache, b, s, g, lane, v_lo, v_hi)
+            if team == 0:
+                load(v_cache, b, s, g, lane, v_lo, v_hi)
         # the first queries while the keys and values are on their way
-        stage_queries(qkv, cos, sin, q_rows, b, t, g * G, min(QHEADS, G), p, tid)
+        stage_queries(qkv, cos, sin, q_rows, b, t, g * G, min(QHEADS, G), p)
         if new_token:
             rotate(k_lo, k_hi, cos, sin, s, lane)
-            if s == p:                        # this block's own token goes into the cache
+            if s == p and team == 0:          # this block's own token goes into the cache
                 store(k_cache, b, p, g, lane, k_lo, k_hi)
                 store(v_cache, b, p, g, lane, v_lo, v_hi)
-        for i in range(PAIRS):
-            j = lane + LANES * i
-            if j < half:
-                values[key, j] = v_lo[i]
-                values[key, j + half] = v_hi[i]
+        if team == 0:
+            for i in range(PAIRS):
+                j = lane + LANES * i
+                if j < half:
+                    values[key, j] = v_lo[i]
+                    values[key, j + half] = v_hi[i]
         n_keys = min(SPLIT, p + 1 - first)
         row0 = bt * H + g * G                 # part_* row of the group's first query head
         for h0 in range(0, G, QHEADS):
+            staged = min(QHEADS, G - h0)
             if h0 > 0:
                 cuda.syncthreads()            # the previous heads' q_rows are read
-                stage_queries(qkv, cos, sin, q_rows, b, t, g * G + h0, min(QHEADS, G - h0), p, tid)
+                stage_queries(qkv, cos, sin, q_rows, b, t, g * G + h0, staged, p)
             cuda.syncthreads()
-            for hq in range(min(QHEADS, G - h0)):
+            for first_head in range(0, staged, teams):
+                # every team runs every barrier and reduction; a team past the last head computes head
+                # 0 again and writes nothing
+                hq = first_head + team
+                mine = hq < staged
+                if not mine:
+                    hq = 0
                 dot = float32(0.0)
                 for i in range(PAIRS):
                     j = lane + LANES * i
@@ -166,17 +183,17 @@ def _kernels(D: int):
                 score = dot * scale if s <= p else float32(-math.inf)
                 m = warp_max(score)
                 if wlane == 0:
-                    top_part[warp] = m
+                    top_part[team, warp] = m
                 cuda.syncthreads()
-                top = top_part[0]
+                top = top_part[team, 0]
                 for w in range(1, WARPS):
-                    top = max(top, top_part[w])
+                    top = max(top, top_part[team, w])
                 e = math.exp(score - top) if s <= p else float32(0.0)
                 total = warp_sum(e if lane == 0 else float32(0.0))
                 if lane == 0:
-                    weights[key] = e
+                    weights[team, key] = e
                 if wlane == 0:
-                    sum_part[warp] = total
+                    sum_part[team, warp] = total
                 cuda.syncthreads()
                 row = row0 + h0 + hq
                 # one dimension of the weighted values: PARTS threads add PART_KEYS keys each, in order,
@@ -185,20 +202,21 @@ def _kernels(D: int):
                     part, d = i // D, i % D
                     acc = float32(0.0)
                     for k in range(part * PART_KEYS, min(n_keys, (part + 1) * PART_KEYS)):
-                        acc += weights[k] * values[k, d]
-                    value_parts[part, d] = acc
+                        acc += weights[team, k] * values[k, d]
+                    value_parts[team, part, d] = acc
                 cuda.syncthreads()
-                for d in range(tid, D, THREADS):
-                    acc = value_parts[0, d]
-                    for part in range(1, PARTS):
-                        acc += value_parts[part, d]
-                    part_o[row, split, d] = acc
-                if tid == 0:
-                    total = sum_part[0]
-                    for w in range(1, WARPS):
-                        total += sum_part[w]
-                    part_max[row, split] = top
-                    part_sum[row, split] = total
+                if mine:
+                    for d in range(tid, D, THREADS):
+                        acc = value_parts[team, 0, d]
+                        for part in range(1, PARTS):
+                            acc += value_parts[team, part, d]
+                        part_o[row, split, d] = acc
+                    if tid == 0:
+                        total = sum_part[team, 0]
+                        for w in range(1, WARPS):
+                            total += sum_part[team, w]
+                        part_max[row, split] = top
+                        part_sum[row, split] = total
                 cuda.syncthreads()            # weights and the partial sums are read
 
     @cuda.jit(cache=True)
@@ -261,7 +279,8 @@ def forward(qkv, k_cache, v_cache, pos, *, n_kv_heads, theta):
     part_o = runtime.empty((B * T * H, n_splits, D), np.float32)
     o = runtime.empty((B, T, H, D), qkv.dtype)
     attend, combine = _kernels(D)
-    runtime.launch(attend, (B * T * KV, n_splits), THREADS, qkv, k_cache, v_cache, pos, cos, sin, part_max, part_sum,
-                   part_o, overlap=True)
+    teams = min(MAX_HEADS_AT_ONCE, H // KV)
+    runtime.launch(attend, (B * T * KV, n_splits), teams * THREADS, qkv, k_cache, v_cache, pos, cos, sin, part_max,
+                   part_sum, part_o, overlap=True)
     runtime.launch(combine, B * T * KV, THREADS, part_max, part_sum, part_o, pos, S, KV, o, overlap=True)
     return o, ()
