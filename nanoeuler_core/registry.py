@@ -239,6 +239,15 @@ class Backend:
         """Copy `src` (a host array or an array of this backend, same shape) into `dst`."""
         raise NotImplementedError
 
+    def read_back(self, arrays) -> Callable[[], list[np.ndarray]]:
+        """What gives the host copies of `arrays` (as `to_host` makes them) as they are once the
+        work queued so far has run, without waiting for that work here: a backend that queues work
+        (a GPU) copies in the background and waits only when the copies are asked for, so that the
+        host can queue more work meanwhile. By default the work has run already: copied now (a
+        host backend's `to_host` may give the array itself, which later work would change)."""
+        copies = [np.array(self.to_host(arr)) for arr in arrays]
+        return lambda: copies
+
     def synchronize(self) -> None:
         pass
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from nanoeuler_core import Model, ModelConfig
+from nanoeuler_core import Model, ModelConfig, registry
 from nanoeuler_core.engine.optim import AdamW
 from nanoeuler_core.training.step import TrainStep
 from nanoeuler_core.inference.decode import DecodeStats, Decoder, Sampling, decoder_for
@@ -98,8 +98,6 @@ def test_batch_equals_rows_alone(cycle_model, speculative, sampling):
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_sampling_filters(backend):
     """The tokens the sample op can draw under greedy, top-k and top-p (500 rows, one seed each)."""
-    from nanoeuler_core import registry
-
     op = registry.op("sample").impl(backend)
     be = registry.backend(backend)
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
@@ -253,6 +251,117 @@ def test_pytorch_peer_decodes_the_same_tokens(cycle_model):
             token = peer.next_token(token, torch.tensor([position]))
             tokens.append(int(token))
     assert tokens == decode(cycle_model, [prompt], len(tokens), speculative=False)[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# running ahead: the next step launched before a step's results are taken
+
+
+def count_running_ahead(decoder) -> list[bool]:
+    """After each of `decoder`'s steps from now on, whether it left a step in flight (it ran ahead)."""
+    ahead, step = [], decoder.step
+
+    def step_and_look():
+        step()
+        ahead.append(decoder._in_flight is not None)
+
+    decoder.step = step_and_look
+    return ahead
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_read_back_gives_the_arrays_as_the_work_before_left_them(backend):
+    """Backend.read_back's copies hold what the arrays held when it was called, not what later work
+    writes (bf16 storage as float32 values). The CPU and the simulator copy at once; a GPU queues
+    the copies, which its later work waits for."""
+    be = registry.backend(backend)
+    ids, values = be.asarray(np.arange(4)), be.asarray(np.array([0.5, -1.25]), storage="bf16")
+    read = be.read_back([ids, values])
+    be.copy_(ids, np.zeros(4, dtype=np.int64))
+    be.copy_(values, np.zeros(2))
+    host_ids, host_values = read()
+    assert host_ids.tolist() == [0, 1, 2, 3]
+    assert host_values.dtype == np.float32 and host_values.tolist() == [0.5, -1.25]
+
+
+@pytest.mark.parametrize("eos", [None, 4])
+@pytest.mark.parametrize("speculative", [False, True, None])
+@pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(1.0, top_k=5, top_p=0.9)])
+def test_running_ahead_decodes_the_same_tokens(cycle_model, speculative, sampling, eos):
+    """Running ahead (forced on the CPU, which computes a step when it is launched) decodes the tokens
+    of one step after the other, plain, speculative or the policy's (told step times under which it
+    speculates: its widths lag a step), greedy or sampled: over ragged prompts, the last filling the
+    context (windows slide), to the token budget or to an end token that rows reach at different
+    steps (tokens computed for them ahead are dropped). Forced modes run the same steps, plus one
+    where the end token ended every row of a step run ahead; a call leaves no step in flight."""
+    seeds = [7, 8, 9, 10]
+    expected_stats, stats = DecodeStats(), DecodeStats()
+    expected = decode(cycle_model, PROMPTS, 50, speculative, sampling, seeds, eos, expected_stats)
+    decoder = Decoder(cycle_model, len(PROMPTS), speculative, sampling, run_ahead=True)
+    decoder.step_seconds = {(n, W): 1.0 for n in (1, 2, 4) for W in (1, 2, 3)}
+    ahead = count_running_ahead(decoder)
+    assert decoder.generate(PROMPTS, 50, seeds, eos, stats=stats) == expected
+    assert any(ahead) and not all(ahead) and decoder._in_flight is None
+    assert stats.tokens == expected_stats.tokens
+    if speculative is not None:
+        counted = ("row_steps", "proposed", "accepted")
+        assert [getattr(stats, name) for name in counted] == [getattr(expected_stats, name) for name in counted]
+        assert stats.steps - expected_stats.steps in ((0,) if eos is None else (0, 1))
+
+
+def test_running_ahead_with_rows_admitted_and_retired_between_steps(cycle_model):
+    """Rows driven one by one, as a server does, while the decoder runs ahead: a row admitted while a
+    step is in flight, rows of different budgets and sampling, one ending at an end token, one
+    retired while a step computed it and its row admitted again; each decodes what it decodes alone
+    (the retired one, a beginning of it)."""
+    greedy, sampled = Sampling(0.0), Sampling(1.0, top_k=5)
+    decoder = Decoder(cycle_model, 4, True, run_ahead=True)
+    ahead = count_running_ahead(decoder)
+    # (row, prompt, seed, sampling, budget, eos)
+    first = [(0, PROMPTS[0], 1, greedy, 30, None), (1, PROMPTS[2], 2, sampled, 40, None)]
+    later = [(2, PROMPTS[1], 3, greedy, 20, 4), (3, PROMPTS[3], 4, sampled, 9, None)]
+    again = (0, PROMPTS[1], 5, sampled, 12, None)
+    rows = {}
+
+    def admit(b, prompt, seed, sampling, budget, eos):
+        rows[(b, seed)] = decoder.admit(b, prompt, seed, sampling, budget, eos), (prompt, seed, sampling, budget, eos)
+
+    for plan in first:
+        admit(*plan)
+    decoder.step()
+    assert decoder._in_flight is not None
+    for plan in later:
+        admit(*plan)
+        decoder.step()
+    assert decoder._in_flight is not None
+    retired = decoder.retire(0)
+    admit(*again)
+    while decoder.active_rows():
+        decoder.step()
+    assert sum(ahead) >= 5
+    for row, (prompt, seed, sampling, budget, eos) in rows.values():
+        alone = decode(cycle_model, [prompt], budget, True, sampling, [seed], eos)[0]
+        if row is retired:
+            assert 0 < len(row.new) < budget and row.new == alone[:len(row.new)]
+        else:
+            assert row.new == alone and row.finish_reason == ("stop" if eos is not None else "length")
+
+
+def test_an_interrupted_generate_leaves_the_decoder_usable(cycle_model):
+    """Ctrl-C while the decoder runs ahead (here from on_token, as a step's results are taken): the
+    call frees its rows and leaves no step in flight, and the next call decodes as a new decoder."""
+    decoder = Decoder(cycle_model, len(PROMPTS), True, Sampling(0.0), run_ahead=True)
+    kept = []
+
+    def interrupt(row, token):
+        kept.append(token)
+        if len(kept) == 30:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        decoder.generate(PROMPTS, 20, [0, 1, 2, 3], on_token=interrupt)
+    assert decoder._in_flight is None and decoder.free_rows() == [0, 1, 2, 3]
+    assert decoder.generate(PROMPTS, 20, [0, 1, 2, 3]) == decode(cycle_model, PROMPTS, 20, True)
 
 
 # ------------------------------------------------------------------------------------------------

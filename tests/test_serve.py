@@ -28,6 +28,7 @@ from nanoeuler_core.inference.template import ChatTemplate
 from nanoeuler_core.serving.app import ServedModel, create_app
 from nanoeuler_core.text.tokenizer import Tokenizer
 from test_chat import CHATML
+from test_generate import count_running_ahead
 
 openai = pytest.importorskip("openai")
 
@@ -233,6 +234,28 @@ def test_concurrent_requests_share_the_batch_and_each_equals_its_request_alone(s
     assert asyncio.run(all_at_once()) == alone
     assert decoder.row_steps - row_steps > 2 * (decoder.steps - steps)   # most steps decoded several requests
     assert alone[1] == generate(model, tok, PROMPTS[1], max_new_tokens=9, temperature=0.8, top_p=0.9, seed=1)
+
+
+def test_a_decoder_running_ahead_serves_each_request_as_alone(alpaca_run, client):
+    """With the scheduler's decoder running ahead (as it does on a GPU: a step in flight while the
+    scheduler admits rows, sends text and retires rows, some at a stop string), concurrent requests
+    get what each gets alone from a server that does not run ahead."""
+    requests = [dict(prompt=PROMPTS[i % 3], max_tokens=6 + 3 * i, temperature=[0, 0.8, 1.2][i % 3], seed=i,
+                     stop=[" "] if i % 3 == 1 else None) for i in range(8)]
+    alone = [client.completions.create(model="tiny-sft", **r).choices[0] for r in requests]
+    assert any(choice.finish_reason == "stop" for choice in alone)
+    with serving(alpaca_run) as (url, app):
+        decoder = app.state.scheduler.decoder
+        decoder.run_ahead = True
+        ahead = count_running_ahead(decoder)
+
+        async def all_at_once():
+            async_client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            return await asyncio.gather(*(async_client.completions.create(model="tiny-sft", **r) for r in requests))
+
+        results = [result.choices[0] for result in asyncio.run(all_at_once())]
+    assert [(c.text, c.finish_reason) for c in results] == [(c.text, c.finish_reason) for c in alone]
+    assert any(ahead)
 
 
 def test_a_full_queue_answers_429_and_disconnected_clients_free_their_rows(alpaca_run):

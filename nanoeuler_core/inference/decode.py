@@ -11,11 +11,11 @@ position, RNG counter, seed and sampling settings (B,), and the proposals' distr
     -> norm_linear (final norm, heads) -> sample (verify, draw, advance the state)
 
 so the backend captures it once (a CUDA graph on the GPU) and replays it; only the accepted
-counts and the next tokens come back to the host each step. The prompt is prefilled in one pass
-per row by the model's own forward (the training ops: matrix products over the whole prompt,
-attention over its tokens), whose keys and values are copied into the row's cache. Where the
-backend captures work, the prompt is padded to a power of two and the forward of each such length
-is captured once and replayed (a prefill is then one launch, not hundreds).
+counts and the next tokens come back to the host each step (see Running ahead). The prompt is
+prefilled in one pass per row by the model's own forward (the training ops: matrix products over
+the whole prompt, attention over its tokens), whose keys and values are copied into the row's
+cache. Where the backend captures work, the prompt is padded to a power of two and the forward of
+each such length is captured once and replayed (a prefill is then one launch, not hundreds).
 
 Plain decoding feeds one token per row and step, and uses head 0. Speculative decoding with k
 proposals (k < K = n_mtp heads) feeds the k + 1 tokens [next, proposal 1, ..., proposal k], where
@@ -41,7 +41,10 @@ on the widths (a kept proposal was drawn from the draft stream, a plain token fr
 stream): while a sampled row is active, every step runs the width the backend's traits give, K
 where a multi-token step is cheap (`multi_token_step_cheap`), else 1, whatever the batch, the
 timings or the acceptance, so a sampled row's tokens depend only on its seed, as with a forced
-mode. Until the steps over n rows are measured, steps over n rows run that width too.
+mode. Until the steps over n rows are measured, steps over n rows run that width too. While the
+decoder runs ahead, the policy chooses the width of a step before the results of the step before
+it are in: its choice lags by a step (greedy tokens do not depend on it, sampled rows run the
+fixed width).
 
 Batch invariance. Every decoding op computes a row with the same operations in the same order
 whatever the batch, the number of tokens fed with it, or its place among them, and a prompt is
@@ -57,6 +60,20 @@ instead (continuous batching): `admit` starts a free row on a prompt with its ow
 it is done; rows join and leave between steps. A step computes rows 0..n-1 only, n the highest
 active row plus one, rounded up to a power of two (one captured step per such n): a server that
 fills the lowest free rows first pays for the rows it uses.
+
+Running ahead. A step needs nothing from the host: `sample` leaves each row's next tokens in the
+token block and advances its position and RNG counter on the device, so replaying the same step
+again computes the following one. Where the backend captures (`run_ahead`), `step` launches the
+following step before it takes the results of the one before, which come back through the
+backend's `read_back` without stopping the device: the GPU computes step i + 1 while the host
+keeps step i's tokens, and at most one step is in flight between two `step` calls. It runs ahead
+only where the next step would have the same rows and width anyway (rows 0..n-1 covering the
+active ones, the policy's width), no row can need its window slid before it (below), and some row
+has tokens left to take after the step in flight; a row that ends in the step before gets a token
+computed in the step run ahead, thrown away. Whatever changes from the host what a step reads
+(`admit`, a change of width, `measure`) first collects the step in flight (its rows keep its
+tokens then), and a `generate` call leaves none; `retire` need not (collecting a step skips a row
+no longer active). So the tokens are those of the same steps run one after the other.
 
 Context. A prompt may fill the whole context (ctx_len tokens); a longer one is an error. When a
 row's next token would sit at position ctx_len, its cache is refilled with the last ctx_len // 2
@@ -86,6 +103,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 
@@ -167,21 +185,38 @@ class DecodeStats:
         return (self.row_steps + self.accepted) / self.row_steps if self.row_steps else 0.0
 
 
+@dataclass
+class StepInFlight:
+    """A step launched on the backend whose results the host has not taken yet: it computes rows
+    0..n-1 at `width`, judges `fresh` proposals drawn at that width (the rest are stale), and was
+    launched for `rows` (those active then); `results()` gives its accepted counts (n,) and next
+    tokens (n, width) on the host, waiting for the step if it has not run yet."""
+
+    n: int
+    width: int
+    fresh: int
+    rows: list["Row"]
+    results: Callable[[], tuple[np.ndarray, np.ndarray]]
+
+
 class Decoder:
     """Batched decoding of `batch_size` rows of one model on its backend: plain (speculative=False),
     speculative with every head (True), or the policy above (None); a batch of prompts at once
     (`generate`), or rows that start and end on their own (`admit`, `step`, `retire`). `sampling`
     is the rows' sampling where `generate` is not told another; `weights` "bf16" or "fp32" (default:
-    bf16 where the backend and the decoding ops run it)."""
+    bf16 where the backend and the decoding ops run it); `run_ahead` whether `step` launches the
+    next step before it takes the results of one (see Running ahead; default: where the steps are
+    captured)."""
 
     def __init__(self, model, batch_size: int, speculative: bool | None = None, sampling: Sampling = Sampling(),
-                 capture: bool = True, weights: str | None = None):
+                 capture: bool = True, weights: str | None = None, run_ahead: bool | None = None):
         cfg = model.cfg
         if speculative and cfg.n_mtp < 2:
             raise ValueError("speculative decoding needs the multi-token-prediction heads, and this model has "
                              "n_mtp = 1: pass --no-speculative (speculative=False)")
         self.model, self.cfg, self.be = model, cfg, model.backend
         self.batch, self.sampling, self.capture = batch_size, sampling, capture
+        self.run_ahead = (capture and self.be.captures) if run_ahead is None else run_ahead
         self.K = 1 if speculative is False else cfg.n_mtp
         self.policy = speculative is None and self.K > 1   # else every step has width K
         self.ops = registry.kernels_on(model.backend_name, DECODE_OPS)
@@ -210,6 +245,7 @@ class Decoder:
         self.width = K                               # tokens per row in the device's token block
         self._pending = np.zeros((B, K), dtype=np.int64)   # per row: its next token (already kept), then proposals
         self._replays = {}                           # (rows computed, width) -> the captured step
+        self._in_flight: StepInFlight | None = None   # the step launched, its results not yet taken
         self._prefills = {}                          # prefill length -> its ids buffer, its captured forward
         self.step_seconds: dict[tuple[int, int], float] = {}   # (rows computed, width) -> a step's seconds
         # counted over the decoder's life (DecodeStats; the policy's acceptance): proposal j offered (the
@@ -347,9 +383,9 @@ class Decoder:
         self._sample(last, 1, 1, state)
         self._pending[b, :self.width] = np.array(be.to_host(state[0]))[0]
 
-    def _advance(self, n: int, W: int) -> tuple[np.ndarray, np.ndarray]:
-        """Run one step of rows 0..n-1 at width W (capturing it the first time); the accepted counts
-        (n,) and the next tokens (n, W) on the host."""
+    def _launch(self, n: int, W: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+        """Launch one step of rows 0..n-1 at width W (capturing it the first time); returns what gives
+        its accepted counts (n,) and next tokens (n, W) on the host, once the step has run."""
         replay = self._replays.get((n, W))
         if replay is None:
             step = functools.partial(self._step, n, W)
@@ -357,12 +393,24 @@ class Decoder:
             self._replays[(n, W)] = replay
         else:
             accepted = replay()
-        return np.array(self.be.to_host(accepted)), np.array(self.be.to_host(self.tokens[:n * W])).reshape(n, W)
+        read = self.be.read_back([accepted, self.tokens[:n * W]])
+
+        def results():
+            kept, tokens = read()
+            return kept, tokens.reshape(n, W)
+
+        return results
+
+    def _advance(self, n: int, W: int) -> tuple[np.ndarray, np.ndarray]:
+        """Run one step of rows 0..n-1 at width W and wait for it: its accepted counts (n,) and next
+        tokens (n, W) on the host."""
+        return self._launch(n, W)()
 
     def _set_width(self, W: int) -> None:
         """Lay the rows' tokens out at width W on the device, from the host's copy (proposals never drawn
         at that width are stale ones)."""
         if W != self.width:
+            self._settle()   # the host's copy must hold the tokens of the step in flight
             self.be.copy_(self.tokens[:self.batch * W], np.ascontiguousarray(self._pending[:, :W]).reshape(-1))
             self.width = W
 
@@ -398,6 +446,7 @@ class Decoder:
         rows at half the context, into `step_seconds`: the fastest of `rounds` rounds that each time
         every width in turn, `repeats` steps each, so that a stall or a clock still rising falls on no
         width in particular. Every row must be free (it decodes dummy rows)."""
+        self._settle()
         if self.free_rows() != list(range(self.batch)):
             raise ValueError("a decoder measures its steps with every row free: retire the rows first")
         be, B = self.be, self.batch
@@ -440,6 +489,7 @@ class Decoder:
             raise ValueError(f"row {b} is in use: retire it first")
         if not 1 <= len(prompt) <= self.cfg.ctx_len:
             raise ValueError(f"a prompt must have 1 to {self.cfg.ctx_len} tokens, got {len(prompt)}")
+        self._settle()   # the next step computes this row too: no step in flight may be left without it
         row = self.rows[b] = Row(b, list(prompt), max_new_tokens, eos_id, on_token)
         if row.active:
             temperature, top_k, top_p = sampling.settings()
@@ -456,25 +506,63 @@ class Decoder:
     def step(self) -> None:
         """One decoding step of the active rows: a row whose cache is full first slides its window
         by half a context, then each keeps its next token (speculative: and the proposals accepted
-        before it). Does nothing when no row is active."""
-        ctx = self.cfg.ctx_len
-        for row in self.active_rows():
-            if row.position == ctx:  # the cache is full: slide the window by half a context
-                window = row.sequence[-max(1, ctx // 2):]
-                self._prefill(row.b, window, len(row.new))
-                row.position = len(window)
-                row.keep(self._pending[row.b, :1])
+        before it). Running ahead, the step may be the one the call before launched, and the one
+        after it is launched before its results are taken (see Running ahead). Does nothing when
+        no row is active and no step is in flight."""
+        if self._in_flight is None:
+            ctx = self.cfg.ctx_len
+            for row in self.active_rows():
+                if row.position == ctx:  # the cache is full: slide the window by half a context
+                    window = row.sequence[-max(1, ctx // 2):]
+                    self._prefill(row.b, window, len(row.new))
+                    row.position = len(window)
+                    row.keep(self._pending[row.b, :1])
+            active = self.active_rows()
+            if not active:
+                return
+            n = self._rows_computed(active)
+            W = self.choose_width(n)
+            fresh = min(W, self.width) - 1   # proposals the rows drew at this width or wider (the rest are stale)
+            self._set_width(W)
+            self._in_flight = StepInFlight(n, W, fresh, active, self._launch(n, W))
+        launched, ahead = self._in_flight, None
+        if self._may_run_ahead(launched):   # the same step again, every proposal it judges drawn at its width
+            ahead = StepInFlight(launched.n, launched.width, launched.width - 1, self.active_rows(),
+                                 self._launch(launched.n, launched.width))
+        self._in_flight = ahead   # before collecting: should on_token raise, `_settle` still finds the step ahead
+        self._collect(launched)
+
+    def _rows_computed(self, active: list["Row"]) -> int:
+        """n of a step over the active rows: rows 0..n-1, a power of two covering them."""
+        return min(self.batch, 1 << active[-1].b.bit_length())
+
+    def _may_run_ahead(self, launched: StepInFlight) -> bool:
+        """Whether the step after `launched`, which is in flight, may be launched before its results
+        are taken: the decoder runs ahead, the next step would compute the same rows at the same
+        width anyway, no row needs its window slid before it, and some row can still take tokens."""
         active = self.active_rows()
-        if not active:
-            return
-        n = min(self.batch, 1 << active[-1].b.bit_length())   # rows 0..n-1: a power of two covering the active ones
-        W = self.choose_width(n)
-        fresh = min(W, self.width) - 1   # proposals the rows drew at this width or wider (the rest are stale)
-        self._set_width(W)
-        kept, tokens = self._advance(n, W)
+        if not self.run_ahead or not active:
+            return False
+        n, W = launched.n, launched.width
+        if self._rows_computed(active) != n or self.choose_width(n) != W:
+            return False
+        # The host's positions and token counts lag the device's by the step in flight, which moves a
+        # row at most W positions and gives it at most W tokens: with position + W < ctx_len, the
+        # step run ahead starts below ctx_len, where no slide is due.
+        return all(row.position + W < self.cfg.ctx_len for row in active) and \
+            any(row.max_new_tokens - len(row.new) > W for row in active)
+
+    def _collect(self, launched: StepInFlight) -> None:
+        """Take a launched step's results: each row it was launched for keeps its tokens, unless the
+        row ended in the step before or was retired since (the token computed for it is dropped),
+        and the counts of the decoder's life go on."""
+        kept, tokens = launched.results()
+        W, fresh = launched.width, launched.fresh
         self.steps += 1
         self.speculative_steps += W > 1
-        for row in active:
+        for row in launched.rows:
+            if not row.active:
+                continue
             m = int(kept[row.b])
             self.row_steps += 1
             self.proposed += W - 1
@@ -483,12 +571,22 @@ class Decoder:
             self.kept[:min(m - 1, fresh)] += 1
             row.position += m
             row.keep(np.concatenate((self._pending[row.b, 1:m], tokens[row.b, :1])))
-        self._pending[:n, :W] = tokens
+            self._pending[row.b, :W] = tokens[row.b]
         if fresh > 0:   # the acceptance changed: the policy decides again
             self._widths.clear()
 
+    def _settle(self) -> None:
+        """Collect the step in flight, if any: the host then holds what the device holds, before it
+        changes what a step reads."""
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            self._collect(launched)
+
     def retire(self, b: int) -> "Row":
-        """Free row b, done or not (its tokens so far stay in the returned Row)."""
+        """Free row b, done or not (its tokens so far stay in the returned Row). A step in flight may
+        still compute the row: it need not be waited for, since collecting it skips the row (no longer
+        active), and the position written here reaches the device after that step (the backend runs
+        work in the order it is queued)."""
         row, self.rows[b] = self.rows[b], None
         if row is None:
             raise ValueError(f"row {b} is free already")
@@ -501,6 +599,7 @@ class Decoder:
         every width the policy may choose (timing them), and the prefill of every length a prompt
         may be padded to, so that no later step or prompt pays for it (a server does this before its
         first request)."""
+        self._settle()
         for n in self._row_counts():
             self.admit(n - 1, [0], 0, Sampling(0.0), 2)
             self.step()
@@ -534,6 +633,7 @@ class Decoder:
             raise ValueError(f"this decoder takes {self.batch} prompts and seeds, got {len(prompts)} and {len(seeds)}")
         if self.free_rows() != list(range(self.batch)):
             raise ValueError("this decoder's rows are in use (admitted, not retired)")
+        self._settle()   # a step left in flight by rows driven one by one counts for them, not here
         start = time.perf_counter()
         counted = ("steps", "speculative_steps", "row_steps", "proposed", "accepted")
         before = [getattr(self, name) for name in counted]
@@ -552,6 +652,7 @@ class Decoder:
             finally:   # whatever happened (an error, Ctrl-C), the rows are free for the next call
                 for row in rows:
                     self.retire(row.b)
+                self._settle()   # nothing left in flight, and its step counted in this call's stats
         if stats is not None:
             for name, then in zip(counted, before):
                 setattr(stats, name, getattr(stats, name) + getattr(self, name) - then)

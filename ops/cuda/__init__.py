@@ -87,6 +87,15 @@ class CudaBackend(Backend):
         host = runtime.to_host(arr)
         return runtime.bf16_values(host) if host.dtype == runtime.BF16 else host
 
+    def read_back(self, arrays):
+        """Copies queued behind the work so far (see `runtime.read_back`); under the simulator, or for
+        an array one driver call cannot copy (not C-contiguous, or empty), copied now."""
+        from nanoeuler_ops.cuda import runtime
+        if runtime.SIMULATOR or not all(arr.flags["C_CONTIGUOUS"] and arr.size for arr in arrays):
+            return super().read_back(arrays)
+        copies = runtime.read_back(arrays)
+        return lambda: [runtime.bf16_values(host) if host.dtype == runtime.BF16 else host for host in copies()]
+
     def zeros(self, shape, dtype=None):
         from nanoeuler_ops.cuda import runtime
         return runtime.zeros(shape, runtime.BF16 if dtype == "bf16" else dtype or self.dtype)

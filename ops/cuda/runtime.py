@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import weakref
 from contextlib import contextmanager
+from typing import Callable
 
 import numba
 import numpy as np
@@ -337,9 +338,60 @@ def to_host(arr) -> np.ndarray:
 
     host = np.empty(arr.shape, arr.dtype)
     (err,) = cu.cuMemcpyDtoH(host.ctypes.data, arr.device_ctypes_pointer.value, host.nbytes)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"copying {host.nbytes} bytes from the GPU failed: {err.name}")
+    _check(err, f"copying {host.nbytes} bytes from the GPU")
     return host
+
+
+_pinned: dict[int, list[np.ndarray]] = {}   # bytes -> page-locked host buffers no read-back is using
+_events: list = []                          # CUDA events no read-back is using
+
+
+def read_back(arrays) -> Callable[[], list[np.ndarray]]:
+    """Queue copies of C-contiguous, non-empty device arrays into page-locked host buffers on the
+    default stream, behind the work queued there (a graph replayed on it), and return what waits
+    for them and gives their contents in new host arrays. The host is free meanwhile: it can queue
+    the next decoding step before this one's results come back. Two read-backs in flight at once
+    must not share a buffer, so each takes its buffers and event from pools and gives them back
+    once its result is taken."""
+    from cuda.bindings import driver as cu
+
+    buffers = []
+    for arr in arrays:
+        free = _pinned.get(arr.nbytes)
+        buffer = free.pop() if free else cuda.pinned_array(arr.nbytes, np.uint8)
+        buffers.append(buffer)
+        # stream 0: the legacy default stream, where kernels launch and captured graphs replay
+        (err,) = cu.cuMemcpyDtoHAsync(buffer.ctypes.data, arr.device_ctypes_pointer.value, arr.nbytes, 0)
+        _check(err, f"queueing a copy of {arr.nbytes} bytes from the GPU")
+    if _events:
+        event = _events.pop()
+    else:
+        err, event = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        _check(err, "creating a CUDA event")
+    (err,) = cu.cuEventRecord(event, 0)
+    _check(err, "recording a CUDA event after copies from the GPU")
+
+    taken = []   # the copies, once taken (the buffers and the event are back in the pools then)
+
+    def result() -> list[np.ndarray]:
+        if not taken:
+            (err,) = cu.cuEventSynchronize(event)
+            _check(err, "waiting for copies from the GPU")
+            taken.append([buffer.view(arr.dtype).reshape(arr.shape).copy() for buffer, arr in zip(buffers, arrays)])
+            for buffer in buffers:
+                _pinned.setdefault(buffer.nbytes, []).append(buffer)
+            _events.append(event)
+        return taken[0]
+
+    return result
+
+
+def _check(err, what: str) -> None:
+    """A driver call's result: RuntimeError, one line, unless it succeeded."""
+    from cuda.bindings import driver as cu
+
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {err.name}")
 
 
 # ---------------------------------------------------------------- bfloat16 storage
