@@ -58,6 +58,7 @@ def test_bench_times_training_and_decoding():
     assert all(row[-1] == "8/8" for row in rows.values())  # greedy: the same tokens whatever the mode
     assert "speculative: fp32 weights" in decode.stdout and "default: fp32 weights" in decode.stdout
     assert "prefill, 32-token prompt x 1: nanoeuler plain " in decode.stdout
+    assert "bandwidth, plain: " in decode.stdout and " GB/s" in decode.stdout
 
 
 def test_bench_errors_are_one_line(tmp_path):

@@ -12,7 +12,9 @@ tokens per row; tokens/s is rows x tokens over its wall time, the median of `rep
 one warm-up (compilation, graph capture, and the policy's step timings). Prefill is timed apart, on
 a longer prompt of `prefill` tokens per row: a generation of one token (nanoeuler plain) and the
 prefill call (PyTorch), rows x prompt tokens over the median time. The speculative speed-up
-needs trained weights (a random model's heads agree with nothing): pass a run directory.
+needs trained weights (a random model's heads agree with nothing): pass a run directory. The
+memory bandwidth plain decoding achieves is the bytes a step reads (`plain_step_bytes`) over its
+time, against the card's where it is known.
 """
 
 from __future__ import annotations
@@ -28,6 +30,19 @@ import numpy as np
 from nanoeuler_core.bench.training import _run_worker, memory_mb
 
 MODULE = "nanoeuler_core.bench.generation"
+PEAK_GB_PER_S = {"H100": 3350.0, "H200": 4800.0}   # the cards' memory bandwidth (H100 SXM HBM3, H200 HBM3e)
+
+
+def plain_step_bytes(cfg, weights: str, batch_size: int, position: float) -> float:
+    """Bytes a plain decoding step of `batch_size` rows at `position` reads from memory: the blocks'
+    matrices and norm scales and head 0 in the decoding weights' storage ("bf16" or "fp32"), the
+    final norm and the rows' embeddings in float32, and each row's cached keys and values up to
+    `position` (float32)."""
+    C, F, V, L = cfg.dim, cfg.hidden_dim, cfg.vocab_size, cfg.n_layers
+    D, H, KV = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    per_layer = (H + 2 * KV) * D * C + C * H * D + 2 * F * C + C * F + 2 * C
+    weight_bytes = (2 if weights == "bf16" else 4) * (L * per_layer + V * C) + 4 * C * (1 + batch_size)
+    return weight_bytes + 4 * batch_size * L * 2 * KV * D * (position + 1)
 
 
 def load_weights(preset: str, run: str | None, backend: str):
@@ -199,6 +214,12 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
         same = _agreement(r["tokens"], plain["tokens"]) if plain and temperature == 0 else "-"
         echo(f"{name:<44}{r['tokens_per_s']:>10.0f}{r['median_s'] / tokens * 1e3:>10.3f}{r['memory_mb']:>11.0f}"
              f"{ratio:>10}{same:>13}")
+    if plain:   # a plain step's positions run from the prompt's length to that plus tokens - 1
+        step_bytes = plain_step_bytes(cfg, plain["weights"], batch_size, prompt + (tokens - 1) / 2)
+        rate = step_bytes / (plain["median_s"] / tokens) / 1e9
+        peak = next((v for k, v in PEAK_GB_PER_S.items() if k in machine), None)
+        echo(f"bandwidth, plain: {step_bytes / 1e6:.1f} MB read a step, {rate:.0f} GB/s"
+             + (f", {rate / peak:.1%} of the card's {peak:,.0f} GB/s" if peak else ""))
     for name in ("nanoeuler speculative", "nanoeuler default"):
         r = rows.get(name)
         if r:
