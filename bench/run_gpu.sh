@@ -16,7 +16,9 @@
 #   sizes:      the step of gpu-medium and gpu-large (context 1024) against PyTorch, with and without
 #               --recompute
 #   serve:      the load test of `nanoeuler-run serve` on a `gpu` model: 1, 16 and 64 streaming clients
-#   cpu:        the CPU step against PyTorch on 2 of the machine's cores (taskset) and on 16
+#   cpu:        the CPU step against PyTorch on 2 of the machine's cores (taskset) and on 16, then on 16 the
+#               step's matrix products one by one (alone, against OpenBLAS's threads and MKL, and inside the
+#               step) and every op's scaling from 1 to 16 threads
 #   startup:    seconds from `nanoeuler-run pretrain` (small, CPU, 2 cores) to the end of its first step,
 #               with an empty kernel cache and then with the cache it filled
 # (default: tests training generation dist; TESTS_K=expr limits the GPU tests to pytest -k expr)
@@ -119,6 +121,12 @@ cpu)
                 2>&1 | quiet | tee "$log_dir/bench_cpu_${preset}_$threads.log"
         done
     done
+    export NUMBA_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16
+    for how in "" --in-step; do
+        timeout 200 taskset -c 0-15 python3 bench/cpu_products.py --preset cpu-medium $how 2>&1 | quiet
+    done | tee "$log_dir/cpu_products.log"
+    timeout 300 taskset -c 0-15 python3 bench/cpu_scaling.py --preset cpu-medium 2>&1 | quiet | tee "$log_dir/cpu_scaling.log"
+    unset NUMBA_NUM_THREADS OPENBLAS_NUM_THREADS
     ;;
 startup)
     cache=$(mktemp -d)
