@@ -1,12 +1,14 @@
 """Where a decoding step's time goes on a GPU: the captured step replayed back to back (GPU time
-alone), and the step with its host work (the replay, the accepted counts and tokens copied back),
-for a `gpu`-preset model of random weights decoding plain (one token per row and step) at rows
-R, each row at position 200; then a whole `generate` call of one new token (the prompt's prefill
-and the first token: what a call costs outside its steps), with --host-profile its Python
-profile. With --ncu, three replays between profiler start and stop, for
-Nsight Compute to time each kernel (bench/ncu_kernels.py sums them):
+alone), the step with its host work (the replay, the accepted counts and tokens copied back and
+waited for), and steps as `generate` runs them (`Decoder.step`, running ahead where the backend
+captures: the host's work hidden behind the next step), for a model of random weights (the
+`gpu` preset unless told) decoding plain (one token per row and step) at rows R, each row from
+position 200 (or half the context, if less); then a whole `generate` call of one new token (the
+prompt's prefill and the first token: what a call costs outside its steps), with --host-profile
+its Python profile. With --ncu, three replays between profiler start and stop, for Nsight
+Compute to time each kernel (bench/ncu_kernels.py sums them):
 
-    python bench/decode_step.py [--rows R]
+    python bench/decode_step.py [--rows R] [--preset P --backend B]
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
         python bench/decode_step.py --ncu > kernels.csv && python bench/ncu_kernels.py kernels.csv 3
 """
@@ -23,23 +25,28 @@ from numba import cuda
 from nanoeuler_core.bench.generation import load_weights
 from nanoeuler_core.inference.decode import Sampling, decoder_for
 
-POSITION = 200   # where every row's next token goes
+POSITION = 200   # where every row's next token goes (at most half the context)
+STEPS = 50       # steps a timing runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--preset", default="gpu")
+    parser.add_argument("--backend", default="cuda")
     parser.add_argument("--ncu", action="store_true", help="profile three replays (run under ncu)")
     parser.add_argument("--host-profile", action="store_true", help="the Python profile of a one-token call")
     args = parser.parse_args()
     rows = args.rows
-    model, _ = load_weights("gpu", None, "cuda")
+    model, _ = load_weights(args.preset, None, args.backend)
+    ctx = model.cfg.ctx_len
+    position = min(POSITION, ctx // 2)
     decoder = decoder_for(model, rows, False, Sampling(0.0), None)
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 16).tolist()
     decoder.generate([prompt] * rows, 32, list(range(rows)))   # compiles and captures the step
     replay, be = decoder._replays[(rows, 1)], decoder.be
     if args.ncu:
-        be.copy_(decoder.pos, np.full(rows, POSITION))
+        be.copy_(decoder.pos, np.full(rows, position))
         cuda.profile_start()
         for _ in range(3):
             replay()
@@ -49,16 +56,31 @@ def main() -> None:
     for label, step in (("replay", replay), ("step with host work", lambda: decoder._advance(rows, 1))):
         times = []
         for _ in range(7):
-            be.copy_(decoder.pos, np.full(rows, POSITION))
+            be.copy_(decoder.pos, np.full(rows, position))
             be.synchronize()
             start = time.perf_counter()
-            for _ in range(50):
+            for _ in range(STEPS):
                 step()
             be.synchronize()
-            times.append((time.perf_counter() - start) / 50)
-        print(f"{label}: {statistics.median(times) * 1e6:.1f} us a step ({rows} rows, median of 7 x 50 steps)")
+            times.append((time.perf_counter() - start) / STEPS)
+        print(f"{label}: {statistics.median(times) * 1e6:.1f} us a step ({rows} rows, median of 7 x {STEPS} steps)")
     seeds = list(range(rows))
-    for length in (16, 512 - 1):
+    times = []
+    for _ in range(7):   # rows admitted at `position`, each taking STEPS more tokens, one a step
+        for b in range(rows):
+            decoder.admit(b, np.resize(prompt, position).tolist(), b, Sampling(0.0), STEPS + 1)
+        be.synchronize()
+        start, steps = time.perf_counter(), 0
+        while decoder.active_rows():
+            decoder.step()
+            steps += 1
+        be.synchronize()
+        times.append((time.perf_counter() - start) / steps)
+        for b in range(rows):
+            decoder.retire(b)
+    print(f"steps as generate runs them{' (running ahead)' if decoder.run_ahead else ''}: "
+          f"{statistics.median(times) * 1e6:.1f} us a step ({rows} rows, median of 7 x {STEPS} steps)")
+    for length in (16, ctx - 1):
         long = np.resize(prompt, length).tolist()
         times = []
         for _ in range(7):
