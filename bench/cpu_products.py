@@ -112,24 +112,17 @@ def main() -> None:
         b = rng.standard_normal((N, K) if tb else (K, N), dtype=np.float32)
         out = np.empty((M, N), np.float32)
 
-        def tiles(per_thread):
+        def tiles(per_thread):   # as gemm runs them, OpenBLAS held to one thread around the tiles
             rows, cols = common._tiles(M, N, K, threads * per_thread)
-            return lambda: common._gemm_tiles(a, b, out, ta, tb, np.float32(0.0), rows, cols)
 
-        def held_to_one(fn):   # as gemm runs them: OpenBLAS at one thread around the tiles
             def run():
-                _, set_threads, get_threads = common._OPENBLAS
-                saved = get_threads()
-                set_threads(1)
-                try:
-                    fn()
-                finally:
-                    set_threads(saved)
+                with common.one_blas_thread():
+                    common._gemm_tiles(a, b, out, ta, tb, np.float32(0.0), rows, cols)
             return run
 
         op_a, op_b = (a.T if ta else a), (b.T if tb else b)
         runs = {"gemm": lambda: common.gemm(a, b, out, ta, tb),
-                "gemm 2/thread": held_to_one(tiles(2)), "gemm 4/thread": held_to_one(tiles(4)),
+                "gemm 2/thread": tiles(2), "gemm 4/thread": tiles(4),
                 "openblas threads": lambda: np.matmul(op_a, op_b, out=out)}
         if torch:
             ta_, tb_, to_ = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out)
