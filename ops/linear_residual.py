@@ -21,9 +21,9 @@ def forward(x, w, r):
 
 
 def sample_inputs(rng):
-    # (N, I, O): one row; sizes off every block; fewer outputs than inputs (w_down), enough for the GPU
-    # kernel's unrolled loop and its remainder.
-    for n, i, o in ((1, 3, 4), (6, 21, 7), (9, 70, 12), (5, 300, 3)):
+    # (N, I, O): one row; sizes off every block; fewer outputs than inputs (w_down); features past the
+    # GPU kernel's last whole chunk; rows of whole chunks over more than one group of them.
+    for n, i, o in ((1, 3, 4), (6, 21, 7), (9, 72, 12), (5, 300, 3), (2, 1096, 3)):
         x = rng.standard_normal((n, i))
         w = rng.standard_normal((o, i)) / i ** 0.5
         r = rng.standard_normal((n, o))

@@ -29,9 +29,9 @@ def forward(x, g, w, *, eps):
 
 
 def sample_inputs(rng):
-    # (N, C, F): one row; sizes off every block; a wide hidden layer; features for the GPU kernel's
-    # unrolled loop and its remainder.
-    for n, c, f in ((1, 4, 3), (5, 19, 11), (7, 24, 9), (2, 300, 2)):
+    # (N, C, F): one row; sizes off every block; a wide hidden layer; features past the GPU kernel's
+    # last whole chunk; rows of whole chunks over more than one group of them.
+    for n, c, f in ((1, 4, 3), (5, 19, 11), (7, 24, 9), (2, 300, 2), (2, 1096, 2)):
         x = rng.standard_normal((n, c))
         g = 1.0 + 0.1 * rng.standard_normal(c)
         w = 2.0 * rng.standard_normal((2 * f, c)) / c ** 0.5  # gates reaching both tails of the sigmoid

@@ -1,54 +1,143 @@
 """Device code the CUDA decoding ops share.
 
-norm_linear, norm_swiglu and linear_residual: one block per output column, reducing dot products
-over the input features for up to ROWS rows at a time.
+norm_linear, norm_swiglu and linear_residual: a warp per output column, reducing dot products over
+the input features for up to ROWS rows at a time; a block is WARPS such warps (columns).
 
-Batch invariance (nanoeuler_core/inference/decode.py): thread tid sums the features c = tid,
-tid + THREADS, ... in that order (four at a time, loads first, so each thread keeps four reads of
-the weight row in flight), each warp reduces its threads by a fixed shuffle tree, and the block
-adds its warps in order. A row's result thus depends on nothing but the row, not on how many rows
-the call holds or where the row sits among them.
+The features go in chunks of CHUNK = 8: lane l takes chunks l, l + 32, l + 64, ... of a row, in
+that order, and sums each chunk's products in element order; the warp then adds its lanes by a
+fixed shuffle tree. A row's result thus depends on nothing but the row (batch invariance,
+nanoeuler_core/inference/decode.py), not on how many rows the call holds or where the row sits.
 
-At decoding's few rows these kernels are bound by latency, not bandwidth (the GPU reads a matrix of
-a few MB in a microsecond or two). Launched with overlap=True, each first asks for its weight rows
-to come into L2 (`prefetch_row`, no registers held), then waits for the kernel ahead of it to end:
-the weights come while that kernel runs, and the reads after the wait find them in L2.
+At decoding's few rows these kernels are bound by latency, not bandwidth: a column's weights are a
+few KB, a whole matrix a few MB. So a lane asks for GROUP chunks of every operand at once before it
+uses any (one trip to memory covers a 768-wide row at GROUP 4), each chunk one 16-byte load with no
+branch between them (`chunk`; rows of other lengths are padded to whole chunks first, `in_chunks`),
+and no warp waits on another. Launched with overlap=True, each
+kernel first asks for its weight rows to come into L2 (`prefetch_row`, no registers held), then
+waits for the kernel ahead of it to end: the weights come while that kernel runs.
 """
 
-from numba import cuda, float32
+from numba import cuda, float32, types
 
-from nanoeuler_ops.cuda.runtime import SIMULATOR, WARP, prefetch_l2, warp_sum
+from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda.runtime import SIMULATOR, WARP, prefetch_l2, stored, to_f32
 
-THREADS = 64 if SIMULATOR else 128   # threads per block (one block per output column); two warps keep the simulator quick
-WARPS = THREADS // WARP
-ROWS = 4                 # rows reduced together: the weights are read once per group of ROWS rows
-UNROLL = 4               # features per thread loaded before they are used
-LINE = 32                # elements of a 128-byte line of float32 (two lines of bf16: each asked for)
-
-
-@cuda.jit(device=True)
-def to_partials(acc, partial, slot):
-    """partial[slot, warp, r] = this warp's sum of acc[r] for r < ROWS. Every thread calls it."""
-    lane = cuda.threadIdx.x % WARP
-    warp = cuda.threadIdx.x // WARP
-    for r in range(ROWS):
-        total = warp_sum(acc[r])
-        if lane == 0:
-            partial[slot, warp, r] = total
+WARPS = 2 if SIMULATOR else 4     # columns per block; two keep the simulator quick
+THREADS = WARPS * WARP
+ROWS = 4        # rows reduced together: the weights are read once per group of ROWS rows
+CHUNK = 8       # features a lane reads at once (16 bytes of bf16)
+GROUP = 4       # chunks of each operand a lane asks for before it uses them
+STEP = WARP * CHUNK        # features from a lane's chunk to its next
+GROUP_STEP = GROUP * STEP  # features from a lane's group of chunks to its next
 
 
-@cuda.jit(device=True)
-def block_total(partial, slot, r):
-    """The block's sum for row r: its warps' partial sums added in order."""
-    total = float32(0.0)
-    for w in range(WARPS):
-        total += partial[slot, w, r]
-    return total
+def vector_ready(a) -> bool:
+    """Whether every row of the contiguous array a can be read CHUNK elements per 16-byte load:
+    rows a multiple of CHUNK long, the data 16-byte aligned."""
+    return a.shape[a.ndim - 1] % CHUNK == 0 and (SIMULATOR or a.device_ctypes_pointer.value % 16 == 0)
+
+
+@cuda.jit(cache=True)
+def _pad_rows(src, dst):
+    # src (N, C) -> dst (N, P), P >= C: each row, then zeros
+    i = cuda.grid(1)
+    P = dst.shape[1]
+    if i < dst.size:
+        n, c = i // P, i % P
+        dst[n, c] = src[n, c] if c < src.shape[1] else stored(dst, float32(0.0))
+
+
+def in_chunks(a):
+    """a as a 2-D array whose rows `chunk` reads: a itself where `vector_ready`, else a copy with
+    rows padded by zeros to whole chunks (shapes no model of ours has, so the copy is rare)."""
+    a = a.reshape((1, a.shape[0])) if a.ndim == 1 else a
+    if vector_ready(a):
+        return a
+    padded = runtime.empty((a.shape[0], -(-a.shape[1] // CHUNK) * CHUNK), a.dtype)
+    runtime.launch(_pad_rows, runtime.blocks_for(padded.size, 256), 256, a, padded)
+    return padded
+
+
+def blocks_for_columns(columns: int) -> int:
+    return (columns + WARPS - 1) // WARPS
+
+
+@cuda.jit(device=True, inline=True)
+def column():
+    """The output column this warp computes, and its lane."""
+    return cuda.blockIdx.x * WARPS + cuda.threadIdx.x // WARP, cuda.threadIdx.x % WARP
 
 
 @cuda.jit(device=True, inline=True)
 def prefetch_row(w, row):
-    """Ask for row `row` of the contiguous matrix w to come into L2, a line per thread."""
+    """Ask for row `row` of the contiguous matrix w to come into L2, a line per lane of the warp."""
     C = w.shape[1]
-    for line in range(cuda.threadIdx.x * LINE, C, THREADS * LINE):
+    line_elements = 128 // w.itemsize
+    for line in range(cuda.threadIdx.x % WARP * line_elements, C, WARP * line_elements):
         prefetch_l2(w, row * C + line)
+
+
+if SIMULATOR:
+    def vector8(a, row, c):
+        return tuple(to_f32(a[row, c + e]) for e in range(CHUNK))
+else:
+    from numba.cuda.extending import overload
+
+    from nanoeuler_ops.cuda.runtime import bf16x2_values, float_from_bits, load_16_bytes
+
+    def vector8(a, row, c):
+        """a[row, c:c+8] as eight float32, by 16-byte loads (c a multiple of 8, the row aligned)."""
+
+    @overload(vector8, inline="always")
+    def _vector8(a, row, c):
+        if a.dtype == types.uint16:
+            def bf16_chunk(a, row, c):
+                w0, w1, w2, w3 = load_16_bytes(a, row * a.shape[1] + c)
+                e0, e1 = bf16x2_values(w0)
+                e2, e3 = bf16x2_values(w1)
+                e4, e5 = bf16x2_values(w2)
+                e6, e7 = bf16x2_values(w3)
+                return e0, e1, e2, e3, e4, e5, e6, e7
+            return bf16_chunk
+
+        def f32_chunk(a, row, c):
+            i = row * a.shape[1] + c
+            w0, w1, w2, w3 = load_16_bytes(a, i)
+            w4, w5, w6, w7 = load_16_bytes(a, i + 4)
+            return (float_from_bits(w0), float_from_bits(w1), float_from_bits(w2), float_from_bits(w3),
+                    float_from_bits(w4), float_from_bits(w5), float_from_bits(w6), float_from_bits(w7))
+        return f32_chunk
+
+
+@cuda.jit(device=True, inline=True)
+def chunk(a, row, c):
+    """a[row, c:c+8] as eight float32 (rows of whole chunks); zeros where c is past the row's end,
+    read without a branch so that a lane's loads all go out before it uses any."""
+    C = a.shape[1]
+    v = vector8(a, row, min(c, C - CHUNK))
+    keep = c < C
+    zero = float32(0.0)
+    return (v[0] if keep else zero, v[1] if keep else zero, v[2] if keep else zero, v[3] if keep else zero,
+            v[4] if keep else zero, v[5] if keep else zero, v[6] if keep else zero, v[7] if keep else zero)
+
+
+@cuda.jit(device=True, inline=True)
+def product(a, b):
+    """a * b element by element, for two chunks."""
+    return (a[0] * b[0], a[1] * b[1], a[2] * b[2], a[3] * b[3], a[4] * b[4], a[5] * b[5], a[6] * b[6], a[7] * b[7])
+
+
+@cuda.jit(device=True, inline=True)
+def dot(total, a, b):
+    """total + the dot product of chunks a and b, added in element order."""
+    total += a[0] * b[0]
+    total += a[1] * b[1]
+    total += a[2] * b[2]
+    total += a[3] * b[3]
+    total += a[4] * b[4]
+    total += a[5] * b[5]
+    total += a[6] * b[6]
+    total += a[7] * b[7]
+    return total
+
+

@@ -1,10 +1,10 @@
 """RMSNorm + linear for decoding on the GPU. See nanoeuler_ops/norm_linear.py for the math and
 nanoeuler_ops.cuda.decoding.py for the layout of the work.
 
-Block o computes y[:, o]: each thread walks its features once per group of rows, accumulating
-both the dot products with w[o] * g and the sums of squares; rstd is applied at the end. Any input
-may be float32 or bf16 (the decoder's bf16 weights beside float32 activations), read as float32
-and accumulated in float32; y has x's storage.
+The warp of column o computes y[:, o]: each lane walks its chunks of features once per group of
+rows, accumulating both the dot products with w[o] * g and the sums of squares; rstd is applied at
+the end. Any input may be float32 or bf16 (the decoder's bf16 weights beside float32 activations),
+read as float32 and accumulated in float32; y has x's storage.
 """
 
 import math
@@ -12,58 +12,52 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, prefetch_row, to_partials
-from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous
+from nanoeuler_ops.cuda.decoding import (CHUNK, GROUP_STEP, ROWS, STEP, THREADS, blocks_for_columns, chunk, column,
+                                         dot, in_chunks, prefetch_row, product)
+from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_linear import check_shapes
 
 
 @cuda.jit(cache=True)
-def _forward(x, g, w, eps, y):
-    # x (N, C), g (C,), w (O, C) -> y (N, O); block o computes column o, ROWS rows at a time
+def _forward(x, g, w, features, eps, y):
+    # x (N, C), g (1, C), w (O, C) -> y (N, O), C >= features (the rest zeros); the warp of column o
+    # computes y[:, o], ROWS rows at a time
     N, C = x.shape
-    o = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    partial = cuda.shared.array((2, WARPS, ROWS), float32)   # [dot, sum of squares] per warp and row
-    dot = cuda.local.array(ROWS, float32)
+    column_, lane = column()
+    o = min(column_, w.shape[0] - 1)   # a warp past the last column repeats it, never stored
+    dots = cuda.local.array(ROWS, float32)
     squares = cuda.local.array(ROWS, float32)
-    wg = cuda.local.array(UNROLL, float32)
     let_next_start()
     prefetch_row(w, o)
     wait_for_previous()
     for r0 in range(0, N, ROWS):
         for r in range(ROWS):
-            dot[r] = 0.0
+            dots[r] = 0.0
             squares[r] = 0.0
-        c = tid
-        while c + (UNROLL - 1) * THREADS < C:   # UNROLL features per thread, loads first
-            for u in range(UNROLL):
-                wg[u] = to_f32(w[o, c + u * THREADS]) * to_f32(g[c + u * THREADS])
+        for c in range(lane * CHUNK, C, GROUP_STEP):   # GROUP chunks a lane, loads first
+            w0 = product(chunk(w, o, c), chunk(g, 0, c))
+            w1 = product(chunk(w, o, c + STEP), chunk(g, 0, c + STEP))
+            w2 = product(chunk(w, o, c + 2 * STEP), chunk(g, 0, c + 2 * STEP))
+            w3 = product(chunk(w, o, c + 3 * STEP), chunk(g, 0, c + 3 * STEP))
             for r in range(ROWS):
                 if r0 + r < N:
-                    for u in range(UNROLL):
-                        xv = to_f32(x[r0 + r, c + u * THREADS])
-                        dot[r] += xv * wg[u]
-                        squares[r] += xv * xv
-            c += UNROLL * THREADS
-        while c < C:                             # the remaining features, one at a time, same order
-            wv = to_f32(w[o, c]) * to_f32(g[c])
-            for r in range(ROWS):
-                if r0 + r < N:
-                    xv = to_f32(x[r0 + r, c])
-                    dot[r] += xv * wv
-                    squares[r] += xv * xv
-            c += THREADS
-        to_partials(dot, partial, 0)
-        to_partials(squares, partial, 1)
-        cuda.syncthreads()
-        if tid < ROWS and r0 + tid < N:
-            rstd = float32(1.0) / math.sqrt(block_total(partial, 1, tid) / float32(C) + eps)
-            y[r0 + tid, o] = stored(y, block_total(partial, 0, tid) * rstd)
-        cuda.syncthreads()
+                    x0 = chunk(x, r0 + r, c)
+                    x1 = chunk(x, r0 + r, c + STEP)
+                    x2 = chunk(x, r0 + r, c + 2 * STEP)
+                    x3 = chunk(x, r0 + r, c + 3 * STEP)
+                    dots[r] = dot(dot(dot(dot(dots[r], x0, w0), x1, w1), x2, w2), x3, w3)
+                    squares[r] = dot(dot(dot(dot(squares[r], x0, x0), x1, x1), x2, x2), x3, x3)
+        for r in range(ROWS):
+            if r0 + r < N:
+                total, sum_squares = warp_sum(dots[r]), warp_sum(squares[r])
+                if lane == 0 and column_ == o:
+                    rstd = float32(1.0) / math.sqrt(sum_squares / float32(features) + eps)
+                    y[r0 + r, o] = stored(y, total * rstd)
 
 
 def forward(x, g, w, *, eps):
     check_shapes(x, g, w)
     y = runtime.empty((x.shape[0], w.shape[0]), x.dtype)
-    runtime.launch(_forward, w.shape[0], THREADS, x, g, w, float32(eps), y, overlap=True)
+    runtime.launch(_forward, blocks_for_columns(w.shape[0]), THREADS, in_chunks(x), in_chunks(g), in_chunks(w),
+                   x.shape[1], float32(eps), y, overlap=True)
     return y, ()

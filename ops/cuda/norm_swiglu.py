@@ -1,9 +1,9 @@
 """RMSNorm + gate/up projections + SwiGLU for decoding on the GPU. See nanoeuler_ops/norm_swiglu.py
 for the math and nanoeuler_ops.cuda.decoding.py for the layout of the work.
 
-Block f computes y[:, f] from the gate row w[f] and the up row w[F + f], read side by side. Any
-input may be float32 or bf16 (the decoder's bf16 weights beside float32 activations), read as
-float32 and accumulated in float32; y has x's storage.
+The warp of column f computes y[:, f] from the gate row w[f] and the up row w[F + f], read side by
+side. Any input may be float32 or bf16 (the decoder's bf16 weights beside float32 activations),
+read as float32 and accumulated in float32; y has x's storage.
 """
 
 import math
@@ -11,74 +11,62 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import ROWS, THREADS, UNROLL, WARPS, block_total, prefetch_row, to_partials
-from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous
+from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, blocks_for_columns, chunk, column, dot,
+                                         in_chunks, prefetch_row, product)
+from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_swiglu import check_shapes
+
+PAIR_STEP = 2 * STEP   # two chunks of each row a lane asks for at once: gate and up make four
 
 
 @cuda.jit(cache=True)
-def _forward(x, g, w, eps, y):
-    # x (N, C), g (C,), w (2F, C) -> y (N, F); block f computes column f, ROWS rows at a time
+def _forward(x, g, w, features, eps, y):
+    # x (N, C), g (1, C), w (2F, C) -> y (N, F), C >= features (the rest zeros); the warp of column f
+    # computes y[:, f], ROWS rows at a time
     N, C = x.shape
     F = y.shape[1]
-    f = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    partial = cuda.shared.array((3, WARPS, ROWS), float32)   # [gate, up, sum of squares] per warp and row
-    gate = cuda.local.array(ROWS, float32)
-    up = cuda.local.array(ROWS, float32)
+    column_, lane = column()
+    f = min(column_, F - 1)   # a warp past the last column repeats it, never stored
+    gates = cuda.local.array(ROWS, float32)
+    ups = cuda.local.array(ROWS, float32)
     squares = cuda.local.array(ROWS, float32)
-    wg = cuda.local.array(UNROLL, float32)
-    wu = cuda.local.array(UNROLL, float32)
     let_next_start()
     prefetch_row(w, f)
     prefetch_row(w, F + f)
     wait_for_previous()
     for r0 in range(0, N, ROWS):
         for r in range(ROWS):
-            gate[r] = 0.0
-            up[r] = 0.0
+            gates[r] = 0.0
+            ups[r] = 0.0
             squares[r] = 0.0
-        c = tid
-        while c + (UNROLL - 1) * THREADS < C:   # UNROLL features per thread, loads first
-            for u in range(UNROLL):
-                cu = c + u * THREADS
-                gc = to_f32(g[cu])
-                wg[u] = to_f32(w[f, cu]) * gc
-                wu[u] = to_f32(w[F + f, cu]) * gc
+        for c in range(lane * CHUNK, C, PAIR_STEP):   # two chunks of each row a lane, loads first
+            g0 = chunk(g, 0, c)
+            g1 = chunk(g, 0, c + STEP)
+            gate0 = product(chunk(w, f, c), g0)
+            gate1 = product(chunk(w, f, c + STEP), g1)
+            up0 = product(chunk(w, F + f, c), g0)
+            up1 = product(chunk(w, F + f, c + STEP), g1)
             for r in range(ROWS):
                 if r0 + r < N:
-                    for u in range(UNROLL):
-                        xv = to_f32(x[r0 + r, c + u * THREADS])
-                        gate[r] += xv * wg[u]
-                        up[r] += xv * wu[u]
-                        squares[r] += xv * xv
-            c += UNROLL * THREADS
-        while c < C:                             # the remaining features, one at a time, same order
-            gc = to_f32(g[c])
-            wgv = to_f32(w[f, c]) * gc
-            wuv = to_f32(w[F + f, c]) * gc
-            for r in range(ROWS):
-                if r0 + r < N:
-                    xv = to_f32(x[r0 + r, c])
-                    gate[r] += xv * wgv
-                    up[r] += xv * wuv
-                    squares[r] += xv * xv
-            c += THREADS
-        to_partials(gate, partial, 0)
-        to_partials(up, partial, 1)
-        to_partials(squares, partial, 2)
-        cuda.syncthreads()
-        if tid < ROWS and r0 + tid < N:
-            rstd = float32(1.0) / math.sqrt(block_total(partial, 2, tid) / float32(C) + eps)
-            z = block_total(partial, 0, tid) * rstd
-            sigmoid = float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # no overflow for large -z
-            y[r0 + tid, f] = stored(y, z * sigmoid * (block_total(partial, 1, tid) * rstd))
-        cuda.syncthreads()
+                    x0 = chunk(x, r0 + r, c)
+                    x1 = chunk(x, r0 + r, c + STEP)
+                    gates[r] = dot(dot(gates[r], x0, gate0), x1, gate1)
+                    ups[r] = dot(dot(ups[r], x0, up0), x1, up1)
+                    squares[r] = dot(dot(squares[r], x0, x0), x1, x1)
+        for r in range(ROWS):
+            if r0 + r < N:
+                gate, up, sum_squares = warp_sum(gates[r]), warp_sum(ups[r]), warp_sum(squares[r])
+                if lane == 0 and column_ == f:
+                    rstd = float32(1.0) / math.sqrt(sum_squares / float32(features) + eps)
+                    z = gate * rstd
+                    sigmoid = float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # no overflow for large -z
+                    y[r0 + r, f] = stored(y, z * sigmoid * (up * rstd))
 
 
 def forward(x, g, w, *, eps):
     check_shapes(x, g, w)
     F = w.shape[0] // 2
     y = runtime.empty((x.shape[0], F), x.dtype)
-    runtime.launch(_forward, F, THREADS, x, g, w, float32(eps), y, overlap=True)
+    runtime.launch(_forward, blocks_for_columns(F), THREADS, in_chunks(x), in_chunks(g), in_chunks(w), x.shape[1],
+                   float32(eps), y, overlap=True)
     return y, ()

@@ -427,7 +427,7 @@ else:
     from numba.cuda.extending import intrinsic, overload
 
     @intrinsic
-    def _float_from_bits(typingctx, bits):
+    def float_from_bits(typingctx, bits):
         # uint32 bit pattern -> float32 with those bits
         def codegen(context, builder, sig, args):
             return builder.bitcast(args[0], ir.FloatType())
@@ -444,7 +444,7 @@ else:
 
     @cuda.jit(device=True, inline=True)
     def _bf16_to_f32(x):
-        return _float_from_bits(uint32(x) << uint32(16))
+        return float_from_bits(uint32(x) << uint32(16))
 
     @cuda.jit(device=True, inline=True)
     def _f32_to_bf16(v):
@@ -453,7 +453,7 @@ else:
     @cuda.jit(device=True, inline=True)
     def bf16x2_values(pair):
         """One uint32 of two bf16 patterns -> (low, high) as float32."""
-        return _float_from_bits(pair << uint32(16)), _float_from_bits(pair & uint32(0xFFFF0000))
+        return float_from_bits(pair << uint32(16)), float_from_bits(pair & uint32(0xFFFF0000))
 
     def to_f32(x):
         """A stored value (float32, or bf16 bits) as float32."""
@@ -518,8 +518,8 @@ else:
     def _pair_values(word):
         if word == types.uint32:
             return lambda word: bf16x2_values(word)
-        return lambda word: (_float_from_bits(uint32(word & uint64(0xFFFFFFFF))),
-                             _float_from_bits(uint32(word >> uint64(32))))
+        return lambda word: (float_from_bits(uint32(word & uint64(0xFFFFFFFF))),
+                             float_from_bits(uint32(word >> uint64(32))))
 
     @overload(stored_pair, inline="always")
     def _stored_pair(like, lo, hi):
@@ -568,6 +568,23 @@ else:
                                side_effect=True)
             builder.call(asm, [address])
             return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def load_16_bytes(typingctx, arr, i):
+        """The 16 bytes from element i of the contiguous array arr on (its data 16-byte aligned
+        there) as four uint32, in one load through the read-only path: only for what no kernel
+        in flight writes."""
+        sig = types.UniTuple(types.uint32, 4)(arr, types.int64)
+
+        def codegen(context, builder, sig, args):
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            address = builder.ptrtoint(builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]]), i64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i64]),
+                               "{ .reg .u64 g; cvta.to.global.u64 g, $4; ld.global.nc.v4.b32 {$0,$1,$2,$3}, [g]; }",
+                               "=r,=r,=r,=r,l,~{memory}", side_effect=True)
+            words = builder.call(asm, [address])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(words, k) for k in range(4)])
         return sig, codegen
 
     def _grid_dependency_control(instruction):
