@@ -31,7 +31,7 @@ def forward(x, g, w, *, eps):
 
 def sample_inputs(rng):
     # (N, C, O): one row; rows and features off every block size; more outputs than inputs; features
-    # past the GPU kernel's last whole chunk; rows of whole chunks over more than one group of them.
+    # past the GPU kernel's last whole chunk; rows of whole chunks over more than one trip.
     for n, c, o in ((1, 4, 3), (5, 19, 10), (9, 40, 13), (2, 300, 3), (2, 1096, 3)):
         x = rng.standard_normal((n, c))
         g = 1.0 + 0.1 * rng.standard_normal(c)

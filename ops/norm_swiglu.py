@@ -30,7 +30,7 @@ def forward(x, g, w, *, eps):
 
 def sample_inputs(rng):
     # (N, C, F): one row; sizes off every block; a wide hidden layer; features past the GPU kernel's
-    # last whole chunk; rows of whole chunks over more than one group of them.
+    # last whole chunk; rows of whole chunks over more than one trip.
     for n, c, f in ((1, 4, 3), (5, 19, 11), (7, 24, 9), (2, 300, 2), (2, 1096, 2)):
         x = rng.standard_normal((n, c))
         g = 1.0 + 0.1 * rng.standard_normal(c)

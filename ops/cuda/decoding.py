@@ -9,10 +9,12 @@ fixed shuffle tree. A row's result thus depends on nothing but the row (batch in
 nanoeuler_core/inference/decode.py), not on how many rows the call holds or where the row sits.
 
 At decoding's few rows these kernels are bound by latency, not bandwidth: a column's weights are a
-few KB, a whole matrix a few MB. So a lane asks for GROUP chunks of every operand at once before it
-uses any (one trip to memory covers a 768-wide row at GROUP 4), each chunk one 16-byte load with no
-branch between them (`chunk`; rows of other lengths are padded to whole chunks first, `in_chunks`),
-and no warp waits on another. Launched with overlap=True, each
+few KB, a whole matrix a few MB. So a lane asks for several chunks of every operand at once before
+it uses any, each chunk one 16-byte load with no branch between them (`chunk`; rows of other
+lengths are padded to whole chunks first, `in_chunks`), and no warp waits on another. How many
+chunks a trip (TRIP in each kernel) is what the kernel's registers allow with every column of the
+`gpu` preset's matrices in one wave of blocks: norm_linear 4 (a 768-wide row in one trip),
+norm_swiglu 3 of each of its two rows, linear_residual 8 (w_down's 2,048 features in one trip). Launched with overlap=True, each
 kernel first asks for its weight rows to come into L2 (`prefetch_row`, no registers held), then
 waits for the kernel ahead of it to end: the weights come while that kernel runs.
 """
@@ -26,9 +28,7 @@ WARPS = 2 if SIMULATOR else 4     # columns per block; two keep the simulator qu
 THREADS = WARPS * WARP
 ROWS = 4        # rows reduced together: the weights are read once per group of ROWS rows
 CHUNK = 8       # features a lane reads at once (16 bytes of bf16)
-GROUP = 4       # chunks of each operand a lane asks for before it uses them
-STEP = WARP * CHUNK        # features from a lane's chunk to its next
-GROUP_STEP = GROUP * STEP  # features from a lane's group of chunks to its next
+STEP = WARP * CHUNK   # features from a lane's chunk to its next
 
 
 def vector_ready(a) -> bool:

@@ -6,10 +6,12 @@ activations), read as float32 and accumulated in float32; y has r's storage."""
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import (CHUNK, GROUP_STEP, ROWS, STEP, THREADS, blocks_for_columns, chunk, column,
+from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, blocks_for_columns, chunk, column,
                                          dot, in_chunks, prefetch_row)
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous, warp_sum
 from nanoeuler_ops.linear_residual import check_shapes
+
+TRIP = 8   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
 
 
 @cuda.jit(cache=True)
@@ -26,16 +28,18 @@ def _forward(x, w, res, y):
     for r0 in range(0, N, ROWS):
         for r in range(ROWS):
             dots[r] = 0.0
-        for c in range(lane * CHUNK, I, GROUP_STEP):   # GROUP chunks a lane, loads first
-            w0 = chunk(w, o, c)
-            w1 = chunk(w, o, c + STEP)
-            w2 = chunk(w, o, c + 2 * STEP)
-            w3 = chunk(w, o, c + 3 * STEP)
+        for c in range(lane * CHUNK, I, TRIP * STEP):   # loads first
+            w0, w1 = chunk(w, o, c), chunk(w, o, c + STEP)
+            w2, w3 = chunk(w, o, c + 2 * STEP), chunk(w, o, c + 3 * STEP)
+            w4, w5 = chunk(w, o, c + 4 * STEP), chunk(w, o, c + 5 * STEP)
+            w6, w7 = chunk(w, o, c + 6 * STEP), chunk(w, o, c + 7 * STEP)
             for r in range(ROWS):
                 if r0 + r < N:
                     n = r0 + r
-                    dots[r] = dot(dot(dot(dot(dots[r], chunk(x, n, c), w0), chunk(x, n, c + STEP), w1),
-                                      chunk(x, n, c + 2 * STEP), w2), chunk(x, n, c + 3 * STEP), w3)
+                    a = dot(dot(dot(dot(dots[r], chunk(x, n, c), w0), chunk(x, n, c + STEP), w1),
+                                chunk(x, n, c + 2 * STEP), w2), chunk(x, n, c + 3 * STEP), w3)
+                    dots[r] = dot(dot(dot(dot(a, chunk(x, n, c + 4 * STEP), w4), chunk(x, n, c + 5 * STEP), w5),
+                                      chunk(x, n, c + 6 * STEP), w6), chunk(x, n, c + 7 * STEP), w7)
         for r in range(ROWS):
             if r0 + r < N:
                 total = warp_sum(dots[r])

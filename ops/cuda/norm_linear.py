@@ -12,10 +12,12 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import (CHUNK, GROUP_STEP, ROWS, STEP, THREADS, blocks_for_columns, chunk, column,
+from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, blocks_for_columns, chunk, column,
                                          dot, in_chunks, prefetch_row, product)
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_linear import check_shapes
+
+TRIP = 4   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
 
 
 @cuda.jit(cache=True)
@@ -34,7 +36,7 @@ def _forward(x, g, w, features, eps, y):
         for r in range(ROWS):
             dots[r] = 0.0
             squares[r] = 0.0
-        for c in range(lane * CHUNK, C, GROUP_STEP):   # GROUP chunks a lane, loads first
+        for c in range(lane * CHUNK, C, TRIP * STEP):   # loads first
             w0 = product(chunk(w, o, c), chunk(g, 0, c))
             w1 = product(chunk(w, o, c + STEP), chunk(g, 0, c + STEP))
             w2 = product(chunk(w, o, c + 2 * STEP), chunk(g, 0, c + 2 * STEP))

@@ -16,6 +16,8 @@ from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, blocks_for_
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_swiglu import check_shapes
 
+TRIP = 3   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
+
 PAIR_STEP = 2 * STEP   # two chunks of each row a lane asks for at once: gate and up make four
 
 
@@ -39,20 +41,17 @@ def _forward(x, g, w, features, eps, y):
             gates[r] = 0.0
             ups[r] = 0.0
             squares[r] = 0.0
-        for c in range(lane * CHUNK, C, PAIR_STEP):   # two chunks of each row a lane, loads first
-            g0 = chunk(g, 0, c)
-            g1 = chunk(g, 0, c + STEP)
-            gate0 = product(chunk(w, f, c), g0)
-            gate1 = product(chunk(w, f, c + STEP), g1)
-            up0 = product(chunk(w, F + f, c), g0)
-            up1 = product(chunk(w, F + f, c + STEP), g1)
+        for c in range(lane * CHUNK, C, TRIP * STEP):   # loads first
+            g0, g1, g2 = chunk(g, 0, c), chunk(g, 0, c + STEP), chunk(g, 0, c + 2 * STEP)
+            gate0, up0 = product(chunk(w, f, c), g0), product(chunk(w, F + f, c), g0)
+            gate1, up1 = product(chunk(w, f, c + STEP), g1), product(chunk(w, F + f, c + STEP), g1)
+            gate2, up2 = product(chunk(w, f, c + 2 * STEP), g2), product(chunk(w, F + f, c + 2 * STEP), g2)
             for r in range(ROWS):
                 if r0 + r < N:
-                    x0 = chunk(x, r0 + r, c)
-                    x1 = chunk(x, r0 + r, c + STEP)
-                    gates[r] = dot(dot(gates[r], x0, gate0), x1, gate1)
-                    ups[r] = dot(dot(ups[r], x0, up0), x1, up1)
-                    squares[r] = dot(dot(squares[r], x0, x0), x1, x1)
+                    x0, x1, x2 = chunk(x, r0 + r, c), chunk(x, r0 + r, c + STEP), chunk(x, r0 + r, c + 2 * STEP)
+                    gates[r] = dot(dot(dot(gates[r], x0, gate0), x1, gate1), x2, gate2)
+                    ups[r] = dot(dot(dot(ups[r], x0, up0), x1, up1), x2, up2)
+                    squares[r] = dot(dot(dot(squares[r], x0, x0), x1, x1), x2, x2)
         for r in range(ROWS):
             if r0 + r < N:
                 gate, up, sum_squares = warp_sum(gates[r]), warp_sum(ups[r]), warp_sum(squares[r])
