@@ -24,6 +24,8 @@ if not _cuda_driver_present():
 os.environ.setdefault("NANOEULER_COMPILE_AHEAD", "0")
 # Two test processes share the cores: idle OpenMP threads stop spinning soon, leaving them to the other
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+# ... and Numba's threads stay free to move, not two processes' workers bound to the same cores
+os.environ.setdefault("NANOEULER_PIN_THREADS", "0")
 
 
 class _BlockBarrier:

@@ -118,3 +118,24 @@ def test_decoding_kernels_threaded_give_each_row_its_bits_alone():
     assert H * T * (T + 1) // 2 * D >= 1 << 18   # the threaded path
     assert np.array_equal(whole, np.concatenate(steps, axis=1))
     assert np.array_equal(caches[0], caches[2]) and np.array_equal(caches[1], caches[3])
+
+
+PINNED_AFFINITIES = """
+import os
+from nanoeuler_ops.cpu.common import pin_threads
+print(pin_threads())
+print([len(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")].count(1))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux's thread affinity and two cores")
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_pin_threads_binds_each_worker_to_one_core(setting):
+    # Numba's worker (thread 1 of 2) gets one core where asked; the main thread keeps the process's
+    # cores. Run alone: the binding would stay for the rest of a test process.
+    env = {**os.environ, "NANOEULER_PIN_THREADS": setting, "NUMBA_NUM_THREADS": "2"}
+    pinned, threads_on_one_core = subprocess.run([sys.executable, "-c", PINNED_AFFINITIES], env=env,
+                                                 capture_output=True, text=True, check=True).stdout.split()
+    assert pinned == str(setting == "1")
+    assert int(threads_on_one_core) == (1 if setting == "1" else 0)

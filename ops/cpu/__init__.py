@@ -31,6 +31,10 @@ class CpuBackend(HostBackend):
     @contextmanager
     def computing(self, precision):
         _keep_freed_memory()
+        if not _PINNED:
+            from nanoeuler_ops.cpu.common import pin_threads
+
+            _PINNED.append(pin_threads())
         yield
 
     @contextmanager
@@ -61,6 +65,7 @@ class CpuBackend(HostBackend):
                 del self._outside_serial[me]
 
 
+_PINNED: list = []      # [whether Numba's threads were bound to cores (common.pin_threads)], once tried
 _ALLOCATOR: list = []   # [whether glibc's malloc was told to keep freed memory], once done
 
 

@@ -257,3 +257,44 @@ if _OPENBLAS is None:
                                            _f32_ptr, _i64, _f32_ptr, _i64, _f32, _f32_ptr, _i64),
                                 cache=True, fastmath=REDUCE_FASTMATH)(_loop_sgemm)
     llvmlite.binding.add_symbol("nanoeuler_cblas_sgemm", _loop_sgemm_c.address)
+
+
+# ------------------------------------------------------------------------------------------------
+# Numba's threads, each kept on one core. A step is hundreds of parallel kernels; a thread that
+# the OS moves to another core between them finds none of its tile's data in that core's caches
+# (the products give each thread the same tile of the same weights every step). Where the
+# process has as many cores as Numba has threads, `pin_threads` binds worker thread t to the
+# process's t-th core, once. The calling (main) thread stays free: threads it starts later (other
+# libraries' pools) inherit its affinity, not one core.
+
+_sched_setaffinity = types.ExternalFunction("sched_setaffinity", types.int32(types.int32, types.uintp, types.uintp))
+
+
+@njit(parallel=True, cache=True)
+def _pin(masks, failed):
+    # masks (threads, words) uint64: the CPU set of each thread; each worker sets its own (pid 0 =
+    # the calling thread), as often as the scheduler hands it an iteration
+    for _ in prange(masks.shape[0] * 16):
+        t = numba.get_thread_id()
+        if t > 0 and _sched_setaffinity(0, masks.shape[1] * 8, masks[t].ctypes.data) != 0:
+            failed[t] = True
+
+
+def pin_threads() -> bool:
+    """Bind Numba's worker threads to one core each (NANOEULER_PIN_THREADS=1 always, 0 never; by
+    default where the process may use exactly as many cores as Numba has threads). Linux only;
+    returns whether every worker was bound."""
+    setting = os.environ.get("NANOEULER_PIN_THREADS", "")
+    if setting == "0" or not hasattr(os, "sched_getaffinity"):
+        return False
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = numba.get_num_threads()
+    if threads < 2 or (setting != "1" and threads != len(cpus)):
+        return False
+    masks = np.zeros((threads, max(cpus) // 64 + 1), np.uint64)
+    for t in range(threads):
+        cpu = cpus[t % len(cpus)]
+        masks[t, cpu // 64] |= np.uint64(1) << np.uint64(cpu % 64)
+    failed = np.zeros(threads, np.bool_)
+    _pin(masks, failed)
+    return not failed.any()
