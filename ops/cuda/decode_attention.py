@@ -17,7 +17,8 @@ every step), each launched to overlap the kernel ahead of it (runtime.launch's o
        - per query head: scores, the split's max and sum of exponentials (fixed trees), and the
          weighted values (PARTS threads per dimension, each adding a run of keys in order), into
          part_*.
-  2. combine: block item: each head's splits rescaled to the overall max and added in split order.
+  2. combine: block item, a thread per output of its heads (1,024 at most): each head's splits
+     rescaled to the overall max and added in split order.
 A query at position p uses the splits 0 .. p // SPLIT, each computed in the same order whatever the
 batch or the tokens fed with it: a row's output depends on the row alone.
 """
@@ -235,7 +236,7 @@ def _kernels(D: int):
         maxes = cuda.local.array(CHUNK, float32)
         sums = cuda.local.array(CHUNK, float32)
         outs = cuda.local.array(CHUNK, float32)
-        for i in range(tid, G * D, THREADS):
+        for i in range(tid, G * D, cuda.blockDim.x):   # a thread per output where the block holds them
             hq, d = i // D, i % D
             if p < 0 or p >= S:                   # a finished row: o is 0
                 o[b, t, g * G + hq, d] = 0.0
@@ -282,5 +283,6 @@ def forward(qkv, k_cache, v_cache, pos, *, n_kv_heads, theta):
     teams = min(MAX_HEADS_AT_ONCE, H // KV)
     runtime.launch(attend, (B * T * KV, n_splits), teams * THREADS, qkv, k_cache, v_cache, pos, cos, sin, part_max,
                    part_sum, part_o, overlap=True)
-    runtime.launch(combine, B * T * KV, THREADS, part_max, part_sum, part_o, pos, S, KV, o, overlap=True)
+    combine_threads = min(1024, -(-(H // KV) * D // WARP) * WARP)
+    runtime.launch(combine, B * T * KV, combine_threads, part_max, part_sum, part_o, pos, S, KV, o, overlap=True)
     return o, ()
