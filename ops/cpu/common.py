@@ -296,5 +296,8 @@ def pin_threads() -> bool:
         cpu = cpus[t % len(cpus)]
         masks[t, cpu // 64] |= np.uint64(1) << np.uint64(cpu % 64)
     failed = np.zeros(threads, np.bool_)
-    _pin(masks, failed)
+    try:
+        _pin(masks, failed)
+    except (numba.core.errors.NumbaError, OSError, RuntimeError):   # a libc without the call: threads stay free
+        return False
     return not failed.any()
