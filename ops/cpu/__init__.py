@@ -19,6 +19,11 @@ class CpuBackend(HostBackend):
     def __init__(self) -> None:
         self._outside_serial: dict[int, int] = {}   # thread id -> its thread count before its first serial block
 
+    def device_name(self) -> str:
+        from nanoeuler_ops.cpu.common import pins_threads
+
+        return super().device_name() + (" (one Numba thread a core)" if pins_threads() else "")
+
     def kernel_cache_cold(self) -> bool:
         # judged by two kernels every run compiles: AdamW's update and the sampler (Numba's index files)
         from nanoeuler_ops.cpu import adamw, sample

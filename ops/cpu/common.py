@@ -280,17 +280,22 @@ def _pin(masks, failed):
             failed[t] = True
 
 
-def pin_threads() -> bool:
-    """Bind Numba's worker threads to one core each (NANOEULER_PIN_THREADS=1 always, 0 never; by
-    default where the process may use exactly as many cores as Numba has threads). Linux only;
-    returns whether every worker was bound."""
+def pins_threads() -> bool:
+    """Whether `pin_threads` binds Numba's threads here: NANOEULER_PIN_THREADS=1 always, 0 never; by
+    default where the process may use exactly as many cores as Numba has threads (Linux only)."""
     setting = os.environ.get("NANOEULER_PIN_THREADS", "")
-    if setting == "0" or not hasattr(os, "sched_getaffinity"):
+    if setting == "0" or not hasattr(os, "sched_getaffinity") or numba.get_num_threads() < 2:
+        return False
+    return setting == "1" or numba.get_num_threads() == len(os.sched_getaffinity(0))
+
+
+def pin_threads() -> bool:
+    """Bind Numba's worker threads to one core each where `pins_threads`; returns whether every
+    worker was bound."""
+    if not pins_threads():
         return False
     cpus = sorted(os.sched_getaffinity(0))
     threads = numba.get_num_threads()
-    if threads < 2 or (setting != "1" and threads != len(cpus)):
-        return False
     masks = np.zeros((threads, max(cpus) // 64 + 1), np.uint64)
     for t in range(threads):
         cpu = cpus[t % len(cpus)]
