@@ -14,9 +14,10 @@ it uses any, each chunk one 16-byte load with no branch between them (`chunk`; r
 lengths are padded to whole chunks first, `in_chunks`), and no warp waits on another. How many
 chunks a trip (TRIP in each kernel) is what the kernel's registers allow with every column of the
 `gpu` preset's matrices in one wave of blocks: norm_linear 4 (a 768-wide row in one trip),
-norm_swiglu 3 of each of its two rows, linear_residual 8 (w_down's 2,048 features in one trip). Launched with overlap=True, each
-kernel first asks for its weight rows to come into L2 (`prefetch_row`, no registers held), then
-waits for the kernel ahead of it to end: the weights come while that kernel runs.
+norm_swiglu 3 of each of its two rows, linear_residual 8 (w_down's 2,048 features in one trip).
+Launched with overlap=True, each kernel first asks for its weight rows to come into L2
+(`prefetch_row`, no registers held), then waits for the kernel ahead of it to end: the weights come
+while that kernel runs.
 """
 
 from numba import cuda, float32, types
@@ -56,10 +57,6 @@ def in_chunks(a):
     padded = runtime.empty((a.shape[0], -(-a.shape[1] // CHUNK) * CHUNK), a.dtype)
     runtime.launch(_pad_rows, runtime.blocks_for(padded.size, 256), 256, a, padded)
     return padded
-
-
-def blocks_for_columns(columns: int) -> int:
-    return (columns + WARPS - 1) // WARPS
 
 
 @cuda.jit(device=True, inline=True)
@@ -139,5 +136,3 @@ def dot(total, a, b):
     total += a[6] * b[6]
     total += a[7] * b[7]
     return total
-
-

@@ -6,7 +6,7 @@ activations), read as float32 and accumulated in float32; y has r's storage."""
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, blocks_for_columns, chunk, column,
+from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column,
                                          dot, in_chunks, prefetch_row)
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous, warp_sum
 from nanoeuler_ops.linear_residual import check_shapes
@@ -50,5 +50,6 @@ def _forward(x, w, res, y):
 def forward(x, w, r):
     check_shapes(x, w, r)
     y = runtime.empty(r.shape, r.dtype)
-    runtime.launch(_forward, blocks_for_columns(w.shape[0]), THREADS, in_chunks(x), in_chunks(w), r, y, overlap=True)
+    runtime.launch(_forward, runtime.blocks_for(w.shape[0], WARPS), THREADS, in_chunks(x), in_chunks(w), r, y,
+                   overlap=True)
     return y, ()

@@ -12,7 +12,7 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, blocks_for_columns, chunk, column,
+from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column,
                                          dot, in_chunks, prefetch_row, product)
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_linear import check_shapes
@@ -60,6 +60,6 @@ def _forward(x, g, w, features, eps, y):
 def forward(x, g, w, *, eps):
     check_shapes(x, g, w)
     y = runtime.empty((x.shape[0], w.shape[0]), x.dtype)
-    runtime.launch(_forward, blocks_for_columns(w.shape[0]), THREADS, in_chunks(x), in_chunks(g), in_chunks(w),
-                   x.shape[1], float32(eps), y, overlap=True)
+    runtime.launch(_forward, runtime.blocks_for(w.shape[0], WARPS), THREADS, in_chunks(x), in_chunks(g),
+                   in_chunks(w), x.shape[1], float32(eps), y, overlap=True)
     return y, ()

@@ -11,14 +11,12 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, blocks_for_columns, chunk, column, dot,
+from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot,
                                          in_chunks, prefetch_row, product)
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_swiglu import check_shapes
 
 TRIP = 3   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
-
-PAIR_STEP = 2 * STEP   # two chunks of each row a lane asks for at once: gate and up make four
 
 
 @cuda.jit(cache=True)
@@ -66,6 +64,6 @@ def forward(x, g, w, *, eps):
     check_shapes(x, g, w)
     F = w.shape[0] // 2
     y = runtime.empty((x.shape[0], F), x.dtype)
-    runtime.launch(_forward, blocks_for_columns(F), THREADS, in_chunks(x), in_chunks(g), in_chunks(w), x.shape[1],
-                   float32(eps), y, overlap=True)
+    runtime.launch(_forward, runtime.blocks_for(F, WARPS), THREADS, in_chunks(x), in_chunks(g), in_chunks(w),
+                   x.shape[1], float32(eps), y, overlap=True)
     return y, ()
