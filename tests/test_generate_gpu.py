@@ -106,6 +106,25 @@ def test_cuda_generation(cycle_model):  # noqa: F811
         assert batch == decode(model, PROMPTS, 30, speculative, sampling, seeds=[7, 8, 9, 10], capture=False)
 
 
+def test_captured_prefill_equals_its_eager_run():
+    """A prompt length's first prefill runs eagerly and is captured; later ones replay the graph. Both
+    must give the same bits (the same cuBLAS kernels, captured or not), or a prompt's first greedy
+    generation could differ from its next."""
+    from nanoeuler_core import Model, ModelConfig
+    from nanoeuler_core.inference.decode import decoder_for
+
+    model = Model(ModelConfig.preset("gpu"), backend="cuda")
+    decoder = decoder_for(model, 1, False, Sampling())
+    ids = np.random.default_rng(0).integers(0, V, decoder._prefill_length(100))
+    be = model.backend
+    runs = []
+    for _ in range(2):
+        keys_values, out = decoder._prefill_forward(ids)
+        runs.append([be.to_host(a) for a in (*keys_values[0], *keys_values[-1], out)])
+    for eager, replayed in zip(*runs):
+        np.testing.assert_array_equal(eager, replayed)
+
+
 def test_batch_too_large_for_the_gpu_is_one_clear_error():
     from nanoeuler_core import Model, ModelConfig
     from nanoeuler_core.inference.decode import decoder_for

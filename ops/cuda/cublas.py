@@ -36,6 +36,19 @@ def _nvmath_cublas():
     return cublas
 
 
+WORKSPACE_BYTES = 32 << 20   # cuBLAS's recommendation for Hopper
+
+
+@cache
+def _workspace():
+    """The one device workspace every handle's products use, set explicitly as cuBLAS advises for
+    CUDA graphs: a handle then allocates nothing of its own while a graph is captured (each new
+    capture would otherwise take more memory), and its products have the same workspace to choose
+    their kernels by, captured or run eagerly. One buffer serves every handle because all our
+    products, captured or not, run in order on one stream."""
+    return cuda.device_array(WORKSPACE_BYTES, np.uint8)
+
+
 @cache
 def handle_for(stream_handle: int) -> int:
     """The cuBLAS handle bound to a stream, created on first use (call it before capturing a graph
@@ -43,6 +56,7 @@ def handle_for(stream_handle: int) -> int:
     cublas = _nvmath_cublas()
     handle = cublas.create()
     cublas.set_stream(handle, stream_handle)
+    cublas.set_workspace(handle, _workspace().device_ctypes_pointer.value, WORKSPACE_BYTES)
     return handle
 
 
