@@ -61,10 +61,21 @@ def test_bench_times_training_and_decoding():
     assert "bandwidth, plain: " in decode.stdout and " GB/s" in decode.stdout
 
 
+def test_bench_prompts_come_from_either_end_of_the_corpus(tok):
+    from nanoeuler_core.bench.generation import bench_prompt
+    from nanoeuler_core.corpus.tokens import default_corpus
+
+    text = default_corpus().read_text(encoding="utf-8")
+    assert bench_prompt(None, tok, 12, "training") == tok.encode(text[:480])[:12]
+    held_out = tok.decode(bench_prompt(None, tok, 12, "held-out"))
+    assert held_out and text.rindex(held_out) > len(text) * 0.95
+
+
 def test_bench_errors_are_one_line(tmp_path):
     cases = [(("--generate", "--precision", "bf16"), "use fp32 weights"),
              (("--generate", "--run", str(tmp_path)), "is not a nanoeuler run directory"),
              (("--generate", "--new-tokens", "0"), "positive --prompt-tokens, --new-tokens and --prefill-tokens"),
+             (("--generate", "--prompt-from", "elsewhere"), "--prompt-from must be one of held-out, training"),
              (("--steps", "0",), "positive --steps")]
     for args, message in cases:
         result = run("bench", *args)

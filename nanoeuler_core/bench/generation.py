@@ -56,24 +56,28 @@ def load_weights(preset: str, run: str | None, backend: str):
     return load_model(run, backend)
 
 
-def bench_prompt(cfg, tok, length: int) -> list[int]:
-    """`length` tokens: from the end of the bundled corpus (text the run saw little of) when there is a
-    tokenizer, else random ids."""
+PROMPT_SOURCES = ("held-out", "training")
+
+
+def bench_prompt(cfg, tok, length: int, source: str = "held-out") -> list[int]:
+    """`length` tokens of the bundled corpus when there is a tokenizer, else random ids: from its end
+    ("held-out": the validation split, text a run does not train on) or from its first paragraph
+    ("training": text a run has seen, which a model that fits its corpus predicts well)."""
     if tok is None:
         return np.random.default_rng(0).integers(0, cfg.vocab_size, length).tolist()
     from nanoeuler_core.corpus.tokens import default_corpus
 
     text = default_corpus().read_text(encoding="utf-8")
-    start = text.index("\n\n", int(len(text) * 0.95)) + 2
+    start = text.index("\n\n", int(len(text) * 0.95)) + 2 if source == "held-out" else 0
     return tok.encode(text[start:start + 40 * length])[:length]
 
 
 def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, temperature, speculative,
-                     weights, prefill=0) -> dict:
+                     weights, prefill=0, prompt_from="held-out") -> dict:
     from nanoeuler_core.inference.decode import DecodeStats, Sampling, decoder_for
 
     model, tok = load_weights(preset, run, backend)
-    ids = bench_prompt(model.cfg, tok, prompt)
+    ids = bench_prompt(model.cfg, tok, prompt, prompt_from)
     decoder = decoder_for(model, batch_size, speculative, Sampling(temperature), weights)
     seeds = list(range(batch_size))
     out = decoder.generate([ids] * batch_size, tokens, seeds)   # warm-up: compilation, graph capture
@@ -102,7 +106,8 @@ def _timed(fn, repeats: int, sync=lambda: None) -> list[float]:
     return times
 
 
-def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, compile, prefill=0) -> dict:
+def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, compile, prefill=0,
+                 prompt_from="held-out") -> dict:
     import torch
 
     from nanoeuler_core import registry
@@ -115,7 +120,7 @@ def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, comp
     if torch.device(device).type == "cpu":
         torch.set_num_threads(1)   # as nanoeuler's decoding: one token's ops are too small to share out
     model, tok = load_weights(preset, run, "cpu")
-    ids = bench_prompt(model.cfg, tok, prompt)
+    ids = bench_prompt(model.cfg, tok, prompt, prompt_from)
     peer = TorchModel(model.cfg, device=device).load(model.params).to(device)
     long = bench_prompt(model.cfg, tok, prefill) if prefill else []
     peer.setup_cache(batch_size, max(len(ids) + tokens, len(long)))
@@ -163,7 +168,7 @@ def _agreement(tokens: list[int], reference: list[int]) -> str:
 
 def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None, batch_size: int = 1,
         prompt: int = 16, tokens: int = 256, repeats: int = 3, temperature: float = 0.0, peers: bool = True,
-        weights: str | None = None, prefill: int = 512, echo=print) -> dict:
+        weights: str | None = None, prefill: int = 512, prompt_from: str = "held-out", echo=print) -> dict:
     """Measure every engine, print a table, return the numbers."""
     from nanoeuler_core import ModelConfig, registry
 
@@ -183,10 +188,11 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
     machine = be.device_name()
     source = f"weights of {run_dir}" if run_dir else "random weights (seed 0)"
     mode = "greedy" if temperature == 0 else f"temperature {temperature}"
-    echo(f"decoding, {cfg.n_params():,} parameters ({source}), {machine}, batch {batch_size}, prompt {prompt}, "
+    echo(f"decoding, {cfg.n_params():,} parameters ({source}), {machine}, batch {batch_size}, prompt {prompt} "
+         f"({prompt_from} text), "
          f"{tokens} new tokens, {mode}; median of {repeats} after a warm-up")
     common = dict(preset=preset, run=run_dir, backend=backend, batch_size=batch_size, prompt=prompt, tokens=tokens,
-                  repeats=repeats)
+                  repeats=repeats, prompt_from=prompt_from)
     rows = {}
     for speculative, name in ((False, "nanoeuler plain"), (True, "nanoeuler speculative"), (None, "nanoeuler default")):
         rows[name] = _run_worker({**common, "engine": "nanoeuler", "temperature": temperature,
