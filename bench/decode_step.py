@@ -6,9 +6,13 @@ captures: the host's work hidden behind the next step), for a model of random we
 position 200 (or half the context, if less); then a whole `generate` call of one new token (the
 prompt's prefill and the first token: what a call costs outside its steps), with --host-profile
 its Python profile. With --ncu, three replays between profiler start and stop, for Nsight
-Compute to time each kernel (bench/ncu_kernels.py sums them):
+Compute to time each kernel (bench/ncu_kernels.py sums them). With --twice KERNEL (the CUDA
+backend), that kernel is launched twice wherever the step launches it (each of these kernels
+writes the same output from the same inputs again): the step's growth is what the kernel costs
+inside the step, overlapped with its neighbours as it runs there, unlike Nsight Compute's
+kernels one at a time.
 
-    python bench/decode_step.py [--rows R] [--preset P --backend B]
+    python bench/decode_step.py [--rows R] [--preset P --backend B] [--replay-only] [--twice op.kernel ...]
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
         python bench/decode_step.py --ncu > kernels.csv && python bench/ncu_kernels.py kernels.csv 3
 """
@@ -29,6 +33,24 @@ POSITION = 200   # where every row's next token goes (at most half the context)
 STEPS = 50       # steps a timing runs
 
 
+def kernel_name(kernel) -> str:
+    """op.kernel: the module (the op) a compiled kernel comes from, and the kernel's name."""
+    return f"{kernel.py_func.__module__.rsplit('.', 1)[-1]}.{kernel.py_func.__name__}"
+
+
+def launch_twice(names: set) -> None:
+    """Have the CUDA runtime launch each kernel named in `names` twice, back to back."""
+    from nanoeuler_ops.cuda import runtime
+
+    launch = runtime.launch
+
+    def twice(kernel, *args, **kwargs):
+        for _ in range(2 if kernel_name(kernel) in names else 1):
+            launch(kernel, *args, **kwargs)
+
+    runtime.launch = twice
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1)
@@ -36,8 +58,13 @@ def main() -> None:
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--ncu", action="store_true", help="profile three replays (run under ncu)")
     parser.add_argument("--host-profile", action="store_true", help="the Python profile of a one-token call")
+    parser.add_argument("--replay-only", action="store_true", help="stop after the captured step's timings")
+    parser.add_argument("--twice", nargs="+", default=[], metavar="OP.KERNEL",
+                        help="launch these kernels twice (e.g. decode_attention.combine, linear_residual._forward)")
     args = parser.parse_args()
     rows = args.rows
+    if args.twice:
+        launch_twice(set(args.twice))
     model, _ = load_weights(args.preset, None, args.backend)
     ctx = model.cfg.ctx_len
     position = min(POSITION, ctx // 2)
@@ -64,6 +91,8 @@ def main() -> None:
             be.synchronize()
             times.append((time.perf_counter() - start) / STEPS)
         print(f"{label}: {statistics.median(times) * 1e6:.1f} us a step ({rows} rows, median of 7 x {STEPS} steps)")
+    if args.replay_only:
+        return
     seeds = list(range(rows))
     times = []
     for _ in range(7):   # rows admitted at `position`, each taking STEPS more tokens, one a step
