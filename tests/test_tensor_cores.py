@@ -138,11 +138,10 @@ for name, (kernel, argtypes) in kernels.items():
 # the decoding attention as for a GPU that overlaps kernels: it must wait for the kernel ahead of it
 from nanoeuler_ops.cuda import decode_attention, runtime
 runtime._overlap.append(True)
-f2, f3, f4 = (types.Array(types.float32, n, "C") for n in (2, 3, 4))
-ints = types.Array(types.int64, 1, "C")
+flat, ints, i64 = types.Array(types.float32, 1, "C"), types.Array(types.int64, 1, "C"), types.int64
 attend, combine = decode_attention._kernels(64)
-for name, kernel, argtypes in (("attend", attend, (f4, f4, f4, ints, f2, f2, f2, f2, f3)),
-                               ("combine", combine, (f2, f2, f3, ints, types.int64, types.int64, f4))):
+for name, kernel, argtypes in (("attend", attend, (flat,) * 3 + (i64,) * 5 + (ints,) + (flat,) * 5),
+                               ("combine", combine, (flat,) * 3 + (ints,) + (i64,) * 4 + (flat,))):
     ptx, _ = compile_ptx(kernel.py_func, argtypes, cc=(9, 0))
     assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx, name
     print("compiled decoding", name)
