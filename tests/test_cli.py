@@ -57,6 +57,7 @@ def test_bench_times_training_and_decoding():
     assert set(rows) == {"nanoeuler plain", "nanoeuler speculative", "nanoeuler default"}
     assert all(row[-1] == "8/8" for row in rows.values())  # greedy: the same tokens whatever the mode
     assert "speculative: fp32 weights" in decode.stdout and "default: fp32 weights" in decode.stdout
+    assert "proposals 1..3 kept where reached: " in decode.stdout   # the forced speculative run judged some
     assert "prefill, 32-token prompt x 1: nanoeuler plain " in decode.stdout
     assert "bandwidth, plain: " in decode.stdout and " GB/s" in decode.stdout
 

@@ -90,8 +90,17 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
         prefill_s = statistics.median(_timed(lambda: decoder.generate(long, 1, seeds), repeats))
     return {"median_s": statistics.median(times), "memory_mb": memory_mb(model.backend), "tokens": out[0],
             "acceptance": stats.acceptance, "per_step": stats.tokens_per_step, "mode": stats.mode,
+            "kept_where_reached": [k / o if o else None for k, o in zip(decoder.kept.tolist(), decoder.offered.tolist())],
             "speculative_steps": stats.speculative_steps / stats.steps if stats.steps else 0.0,
             "weights": stats.weights, "prefill_s": prefill_s}
+
+
+def _kept_line(rates: list) -> str:
+    """Proposal j's rate of being kept where proposals 1..j-1 were (over the decoder's life, warm-up
+    included): where a model's extra heads stop agreeing with head 0."""
+    shown = [f"{rate:.0%}" if rate is not None else "-" for rate in rates]
+    return f"; proposals 1..{len(rates)} kept where reached: {', '.join(shown)}" if any(r is not None for r in rates) \
+        else ""
 
 
 def _timed(fn, repeats: int, sync=lambda: None) -> list[float]:
@@ -230,7 +239,8 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
         r = rows.get(name)
         if r:
             echo(f"{name.removeprefix('nanoeuler ')}: {r['weights']} weights, {r['mode']} ({r['speculative_steps']:.0%} of steps speculative), "
-                 f"{r['acceptance']:.1%} of proposals accepted, {r['per_step']:.2f} tokens per row and step")
+                 f"{r['acceptance']:.1%} of proposals accepted, {r['per_step']:.2f} tokens per row and step"
+                 + _kept_line(r["kept_where_reached"]))
     for name, r in rows.items():
         if r is not None and r.get("prefill_s"):
             r["prefill_tokens_per_s"] = batch_size * prefill / r["prefill_s"]
