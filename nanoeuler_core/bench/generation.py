@@ -90,7 +90,8 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
         prefill_s = statistics.median(_timed(lambda: decoder.generate(long, 1, seeds), repeats))
     return {"median_s": statistics.median(times), "memory_mb": memory_mb(model.backend), "tokens": out[0],
             "acceptance": stats.acceptance, "per_step": stats.tokens_per_step, "mode": stats.mode,
-            "kept_where_reached": [k / o if o else None for k, o in zip(decoder.kept.tolist(), decoder.offered.tolist())],
+            "kept_where_reached": [k / o if o else None
+                                   for k, o in zip(decoder.kept.tolist(), decoder.offered.tolist())],
             "speculative_steps": stats.speculative_steps / stats.steps if stats.steps else 0.0,
             "weights": stats.weights, "prefill_s": prefill_s}
 

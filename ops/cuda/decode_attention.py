@@ -285,14 +285,16 @@ def forward(qkv, k_cache, v_cache, pos, *, n_kv_heads, theta):
         raise ValueError(f"decode_attention on the GPU supports head sizes up to {MAX_HEAD_DIM}, got {D}")
     cos, sin = _table(S, D, float(theta))
     n_splits = (S + SPLIT - 1) // SPLIT
-    part_max = runtime.empty((B * T * H * n_splits,), np.float32)   # (B*T*H, splits), flat as the kernels read them
+    # the splits' results, flat as the kernels read them: (B*T*H, splits) and (B*T*H, splits, D)
+    part_max = runtime.empty((B * T * H * n_splits,), np.float32)
     part_sum = runtime.empty((B * T * H * n_splits,), np.float32)
-    part_o = runtime.empty((B * T * H * n_splits * D,), np.float32)   # (B*T*H, splits, D)
+    part_o = runtime.empty((B * T * H * n_splits * D,), np.float32)
     o = runtime.empty((B * T * H * D,), qkv.dtype)
     attend, combine = _kernels(D)
     teams = min(MAX_HEADS_AT_ONCE, H // KV)
-    runtime.launch(attend, (B * T * KV, n_splits), teams * THREADS, qkv.reshape(qkv.size), k_cache.reshape(k_cache.size),
-                   v_cache.reshape(v_cache.size), B, T, S, H, KV, pos, cos, sin, part_max, part_sum, part_o, overlap=True)
+    flat_caches = k_cache.reshape(k_cache.size), v_cache.reshape(v_cache.size)
+    runtime.launch(attend, (B * T * KV, n_splits), teams * THREADS, qkv.reshape(qkv.size), *flat_caches, B, T, S, H, KV,
+                   pos, cos, sin, part_max, part_sum, part_o, overlap=True)
     combine_threads = min(1024, -(-(H // KV) * D // WARP) * WARP)
     runtime.launch(combine, B * T * KV, combine_threads, part_max, part_sum, part_o, pos, T, S, H, KV, o, overlap=True)
     return o.reshape((B, T, H, D)), ()
