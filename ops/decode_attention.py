@@ -69,9 +69,9 @@ def sample_inputs(rng):
     # (B, T, S, H, KV, D, pos): one new token per row at different lengths (GQA groups of 2);
     # several new tokens (speculative proposals, a prefill) with one key/value head and with none
     # shared; a row running past the end of its cache; a group of 6 query heads (more than a GPU
-    # block takes at once).
+    # block takes at once); a long row (the GPU's splits of 32 keys added in more than one chunk).
     cases = ((2, 1, 7, 4, 2, 4, (3, 0)), (2, 3, 9, 2, 1, 6, (0, 5)), (1, 4, 6, 2, 2, 4, (3,)),
-             (3, 2, 40, 6, 3, 8, (37, 11, 0)), (1, 2, 5, 6, 1, 4, (2,)))
+             (3, 2, 40, 6, 3, 8, (37, 11, 0)), (1, 2, 5, 6, 1, 4, (2,)), (1, 1, 300, 2, 1, 4, (290,)))
     for b, t, s, h, kv, d, pos in cases:
         qkv = rng.standard_normal((b, t, h + 2 * kv, d))
         k_cache = rng.standard_normal((b, s, kv, d))  # entries before pos: earlier tokens; after: stale

@@ -247,6 +247,8 @@ class Decoder:
         self._replays = {}                           # (rows computed, width) -> the captured step
         self._in_flight: StepInFlight | None = None   # the step launched, its results not yet taken
         self._prefills = {}                          # prefill length -> its ids buffer, its captured forward
+        self._cache_views = {}                       # (row, prefill length) -> the prefill's output, `_cache_rows`
+        self._row_states = {}                        # (row, width) -> the sample op's state of that row
         self.step_seconds: dict[tuple[int, int], float] = {}   # (rows computed, width) -> a step's seconds
         # counted over the decoder's life (DecodeStats; the policy's acceptance): proposal j offered (the
         # j - 1 before it kept) and kept, at offered[j - 1] and kept[j - 1]
@@ -371,17 +373,36 @@ class Decoder:
         padded = np.zeros(self._prefill_length(T), dtype=np.int64)
         padded[:T] = ids
         keys_values, out = self._prefill_forward(padded)
-        for (k_cache, v_cache), (k, v) in zip(self.caches, keys_values):
-            be.copy_(k_cache[b, :T], k[0, :T])
-            be.copy_(v_cache[b, :T], v[0, :T])
+        for dst, src in self._cache_rows(b, keys_values, out):
+            be.copy_(dst, src)
         last = be.zeros((1, self.cfg.dim))   # the last block's output at the last token, in float32
         be.copy_(last, out[T - 1:T])
-        state = self._state(b, 1, self.width)
+        state = self._row_state(b, self.width)
         counters, pos = state[3:5]
         be.copy_(pos, np.array([T - 1], dtype=np.int64))
         be.copy_(counters, np.array([generated - 1], dtype=np.int64))
         self._sample(last, 1, 1, state)
         self._pending[b, :self.width] = np.array(be.to_host(state[0]))[0]
+
+    def _cache_rows(self, b: int, keys_values, out) -> list[tuple]:
+        """(row b's cache, the prefill's keys or values) pairs, flat, of every block: the P prefilled
+        tokens from position 0 (those past the prompt are padding, overwritten by decoding before
+        any query reads them). Made once per row and captured prefill (the same buffers each
+        time): slicing device arrays costs host time, some 100 slices a prompt."""
+        P, (_, KV, D) = len(out), keys_values[0][0].shape[1:]
+        cached_out, pairs = self._cache_views.get((b, P), (None, None))
+        if cached_out is not out:
+            pairs = [(cache[b, :P].reshape(P * KV * D), new[0].reshape(P * KV * D))
+                     for caches, news in zip(self.caches, keys_values) for cache, new in zip(caches, news)]
+            if self.capture and self.be.captures:   # else each prefill's buffers are new
+                self._cache_views[(b, P)] = out, pairs
+        return pairs
+
+    def _row_state(self, b: int, W: int) -> tuple:
+        """`_state` of row b alone at width W, its views made once."""
+        if (b, W) not in self._row_states:
+            self._row_states[(b, W)] = self._state(b, 1, W)
+        return self._row_states[(b, W)]
 
     def _launch(self, n: int, W: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
         """Launch one step of rows 0..n-1 at width W (capturing it the first time); returns what gives
@@ -393,6 +414,9 @@ class Decoder:
             self._replays[(n, W)] = replay
         else:
             accepted = replay()
+        if W == 1:   # one token a row is always kept: only the tokens come back (a copy fewer a step)
+            read = self.be.read_back([self.tokens[:n]])
+            return lambda: (np.ones(n, dtype=np.int64), read()[0].reshape(n, 1))
         read = self.be.read_back([accepted, self.tokens[:n * W]])
 
         def results():

@@ -18,7 +18,7 @@ every step), each launched to overlap the kernel ahead of it (runtime.launch's o
          weighted values (PARTS threads per dimension, each adding a run of keys in order), into
          part_*.
   2. combine: block item, a thread per output of its heads (1,024 at most): each head's splits
-     rescaled to the overall max and added in split order.
+     rescaled to the overall max and added in split order (CHUNK splits' results loaded at once).
 A query at position p uses the splits 0 .. p // SPLIT, each computed in the same order whatever the
 batch or the tokens fed with it: a row's output depends on the row alone.
 """
@@ -252,19 +252,24 @@ def _kernels(D: int):
             if p < 0 or p >= S:                   # a finished row: o is 0
                 o[u64(row * D + d)] = 0.0
                 continue
+            # CHUNK splits' loads in flight at once; what was added before a chunk with a larger max is
+            # rescaled to it (a row of at most CHUNK splits: one trip to memory, nothing rescaled)
             top = float32(-math.inf)
-            for sp0 in range(0, n_splits, CHUNK):     # CHUNK splits' loads in flight at once
-                for u in range(CHUNK):
-                    at = row * stride + min(sp0 + u, n_splits - 1)
-                    maxes[u] = part_max[u64(at)] if sp0 + u < n_splits else float32(-math.inf)
-                for u in range(CHUNK):
-                    top = max(top, maxes[u])
             total = float32(0.0)
             acc = float32(0.0)
             for sp0 in range(0, n_splits, CHUNK):
                 for u in range(CHUNK):
                     at = row * stride + min(sp0 + u, n_splits - 1)
                     maxes[u], sums[u], outs[u] = part_max[u64(at)], part_sum[u64(at)], part_o[u64(at * D + d)]
+                chunk_top = top
+                for u in range(CHUNK):
+                    if sp0 + u < n_splits:
+                        chunk_top = max(chunk_top, maxes[u])
+                if chunk_top > top:
+                    rescale = math.exp(top - chunk_top)
+                    total *= rescale
+                    acc *= rescale
+                    top = chunk_top
                 for u in range(CHUNK):
                     if sp0 + u < n_splits:
                         rescale = math.exp(maxes[u] - top)
