@@ -248,6 +248,14 @@ class Backend:
         copies = [np.array(self.to_host(arr)) for arr in arrays]
         return lambda: copies
 
+    def host_visible(self, shape, dtype):
+        """(device, host): one array of zeros seen two ways. Backend work (a copy into `device`, in a
+        captured step too) writes it and the host reads `host` with no copy, once that work has run
+        (`read_back([])` waits for it): a few results a step, brought back without a transfer of
+        their own. A host backend's arrays are the host's: the same array twice."""
+        arr = self.zeros(shape, dtype)
+        return arr, arr
+
     def synchronize(self) -> None:
         pass
 

@@ -9,6 +9,7 @@ position, RNG counter, seed and sampling settings (B,), and the proposals' distr
     embedding -> per block: norm_linear (q, k, v) -> decode_attention (RoPE, cache, attention)
                  -> linear_residual (wo) -> norm_swiglu (gate, up) -> linear_residual (w_down)
     -> norm_linear (final norm, heads) -> sample (verify, draw, advance the state)
+    -> the accepted counts and next tokens copied into a mailbox the host reads without a copy
 
 so the backend captures it once (a CUDA graph on the GPU) and replays it; only the accepted
 counts and the next tokens come back to the host each step (see Running ahead). The prompt is
@@ -64,9 +65,11 @@ fills the lowest free rows first pays for the rows it uses.
 Running ahead. A step needs nothing from the host: `sample` leaves each row's next tokens in the
 token block and advances its position and RNG counter on the device, so replaying the same step
 again computes the following one. Where the backend captures (`run_ahead`), `step` launches the
-following step before it takes the results of the one before, which come back through the
-backend's `read_back` without stopping the device: the GPU computes step i + 1 while the host
-keeps step i's tokens, and at most one step is in flight between two `step` calls. It runs ahead
+following step before it takes the results of the one before, which the step left in host-visible
+memory (`host_visible`; the host waits for it through `read_back`) without stopping the device:
+the GPU computes step i + 1 while the host keeps step i's tokens, and at most one step is in flight
+between two `step` calls, so two mailboxes suffice (steps alternate: one captured step per mailbox,
+the step run ahead writing the other one). It runs ahead
 only where the next step would have the same rows and width anyway (rows 0..n-1 covering the
 active ones, the policy's width), no row can need its window slid before it (below), and some row
 has tokens left to take after the step in flight; a row that ends in the step before gets a token
@@ -234,6 +237,10 @@ class Decoder:
             # each row's sampling (the sample op's inputs): temperature in the backend's floats, top_p in float64
             self.temperature, self.top_k, self.top_p = be.zeros((B,)), be.zeros((B,), dtype=np.int64), \
                 be.zeros((B,), dtype=np.float64)
+            # where a step leaves its accepted counts (B,) and tokens (B*K,) for the host, in one array
+            # the host reads without a copy (`host_visible`); consecutive steps alternate between two,
+            # so that a step run ahead never writes the one whose results the host is taking
+            self.mailboxes = [be.host_visible((B + B * K,), np.int64) for _ in range(2)]
             self._bind_weights()
         except Exception as exc:  # MemoryError on the CPU, the driver's CUDA_ERROR_OUT_OF_MEMORY on a GPU
             if isinstance(exc, MemoryError) or "OUT_OF_MEMORY" in str(exc):
@@ -244,7 +251,8 @@ class Decoder:
         self.greedy = np.zeros(B, dtype=bool)        # whether each row decodes greedily
         self.width = K                               # tokens per row in the device's token block
         self._pending = np.zeros((B, K), dtype=np.int64)   # per row: its next token (already kept), then proposals
-        self._replays = {}                           # (rows computed, width) -> the captured step
+        self._replays = {}                           # (rows computed, width, mailbox) -> the captured step
+        self._next_mailbox = 0                       # the mailbox the next step launched writes
         self._in_flight: StepInFlight | None = None   # the step launched, its results not yet taken
         self._prefills = {}                          # prefill length -> its ids buffer, its captured forward
         self._cache_views = {}                       # (row, prefill length) -> the prefill's output, `_cache_rows`
@@ -328,10 +336,15 @@ class Decoder:
         accepted, _ = f.sample.forward(logits.reshape(B, T, W, cfg.vocab_size), *state, max_pos=cfg.ctx_len)
         return accepted
 
-    def _step(self, n: int, W: int):
-        """One decoding step of rows 0..n-1 at width W from the state buffers (backend work only: capturable)."""
+    def _step(self, n: int, W: int, mailbox: int):
+        """One decoding step of rows 0..n-1 at width W from the state buffers, its accepted counts and
+        tokens left in that mailbox (backend work only: capturable)."""
         x = self._hidden(self.tokens[:n * W], n, W, [(k[:n], v[:n]) for k, v in self.caches], self.pos[:n])
-        return self._sample(x, n, W, self._state(0, n, W))
+        accepted = self._sample(x, n, W, self._state(0, n, W))
+        box, B = self.mailboxes[mailbox][0], self.batch
+        if W > 1:   # at width 1 every row keeps its one token
+            self.be.copy_(box[:n], accepted)
+        self.be.copy_(box[B:B + n * W], self.tokens[:n * W])
 
     def _prefill_length(self, T: int) -> int:
         """The tokens a prefill of T runs over: where the backend captures work, T padded to a power of
@@ -406,22 +419,24 @@ class Decoder:
 
     def _launch(self, n: int, W: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
         """Launch one step of rows 0..n-1 at width W (capturing it the first time); returns what gives
-        its accepted counts (n,) and next tokens (n, W) on the host, once the step has run."""
-        replay = self._replays.get((n, W))
+        its accepted counts (n,) and next tokens (n, W) on the host, once the step has run. At most
+        the step before it may be in flight, its results not yet taken (see Running ahead): the two
+        write different mailboxes."""
+        mailbox = self._next_mailbox
+        self._next_mailbox ^= 1
+        replay = self._replays.get((n, W, mailbox))
         if replay is None:
-            step = functools.partial(self._step, n, W)
-            replay, accepted = self.be.capture(step) if self.capture else (step, step())
-            self._replays[(n, W)] = replay
+            step = functools.partial(self._step, n, W, mailbox)
+            replay, _ = self.be.capture(step) if self.capture else (step, step())
+            self._replays[(n, W, mailbox)] = replay
         else:
-            accepted = replay()
-        if W == 1:   # one token a row is always kept: only the tokens come back (a copy fewer a step)
-            read = self.be.read_back([self.tokens[:n]])
-            return lambda: (np.ones(n, dtype=np.int64), read()[0].reshape(n, 1))
-        read = self.be.read_back([accepted, self.tokens[:n * W]])
+            replay()
+        ran, box, B = self.be.read_back([]), self.mailboxes[mailbox][1], self.batch
 
         def results():
-            kept, tokens = read()
-            return kept, tokens.reshape(n, W)
+            ran()
+            kept = box[:n].copy() if W > 1 else np.ones(n, dtype=np.int64)
+            return kept, box[B:B + n * W].reshape(n, W).copy()
 
         return results
 
@@ -624,9 +639,10 @@ class Decoder:
         may be padded to, so that no later step or prompt pays for it (a server does this before its
         first request)."""
         self._settle()
-        for n in self._row_counts():
-            self.admit(n - 1, [0], 0, Sampling(0.0), 2)
-            self.step()
+        for n in self._row_counts():   # two steps: one into each mailbox
+            row = self.admit(n - 1, [0], 0, Sampling(0.0), 3)
+            while row.active:
+                self.step()
             self.retire(n - 1)
         if self.capture and self.be.captures:
             ctx = self.cfg.ctx_len

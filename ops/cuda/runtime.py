@@ -309,6 +309,8 @@ def fill(arr, value) -> None:
 def _copy(dst, src):
     # dst (n,) <- src (n,), one dtype
     i = cuda.grid(1)
+    let_next_start()
+    wait_for_previous()
     if i < dst.shape[0]:
         dst[i] = src[i]
 
@@ -317,15 +319,25 @@ def _copy(dst, src):
 def _cast(dst, src):
     # dst (n,) <- src (n,) between float32 and bf16 storage
     i = cuda.grid(1)
+    let_next_start()
+    wait_for_previous()
     if i < dst.shape[0]:
         dst[i] = stored(dst, to_f32(src[i]))
 
 
 def copy(dst, src) -> None:
-    """dst <- src for contiguous device arrays of one size, on the current stream (capturable);
-    between float32 and bf16 storage the values are converted."""
+    """dst <- src for contiguous device arrays of one size, on the current stream (capturable),
+    overlapping the kernel ahead; between float32 and bf16 storage the values are converted."""
     kernel = _copy if dst.dtype == src.dtype else _cast
-    launch(kernel, blocks_for(dst.size, 256), 256, dst.reshape(dst.size), src.reshape(src.size))
+    launch(kernel, blocks_for(dst.size, 256), 256, dst.reshape(dst.size), src.reshape(src.size), overlap=True)
+
+
+def host_visible(shape, dtype):
+    """(device, host) views of one page-locked host array of zeros, mapped into the GPU's address
+    space: a kernel writes `device`, the host reads `host` once that kernel has run."""
+    host = cuda.mapped_array(shape, dtype)
+    host[...] = 0
+    return _view(host.gpu_data, host.shape, host.dtype), host
 
 
 def to_host(arr) -> np.ndarray:
