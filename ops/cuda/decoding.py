@@ -16,8 +16,10 @@ chunks a trip (TRIP in each kernel) is what the kernel's registers allow with ev
 `gpu` preset's matrices in one wave of blocks: norm_linear 4 (a 768-wide row in one trip),
 norm_swiglu 3 of each of its two rows, linear_residual 8 (w_down's 2,048 features in one trip).
 Launched with overlap=True, each kernel first asks for its weight rows to come into L2
-(`prefetch_row`, no registers held), then waits for the kernel ahead of it to end: the weights come
-while that kernel runs.
+(`prefetch_row`, no registers held), loads its first trip of them (a whole row at the `gpu`
+preset's sizes) and only then waits for the kernel ahead of it to end: the weights come while that
+kernel runs, and only the input rows are read after it. The first trip's weights stay in registers
+for every group of rows; later trips, if any, are read again for each group (`load_trip`).
 """
 
 from numba import cuda, float32, types
@@ -63,6 +65,20 @@ def in_chunks(a):
 def column():
     """The output column this warp computes, and its lane."""
     return cuda.blockIdx.x * WARPS + cuda.threadIdx.x // WARP, cuda.threadIdx.x % WARP
+
+
+@cuda.jit(device=True, inline=True)
+def load_trip(c, first, r0, C, trip):
+    """Whether a lane loads the weights of its trip from feature c for the group of rows from r0: it
+    keeps its first trip's (from `first`) for every group, unless a later trip replaced them."""
+    return r0 == 0 or c != first or first + trip * STEP < C
+
+
+@cuda.jit(device=True, inline=True)
+def no_chunk():
+    """Eight float32 zeros: a chunk before its first load."""
+    zero = float32(0.0)
+    return zero, zero, zero, zero, zero, zero, zero, zero
 
 
 @cuda.jit(device=True, inline=True)

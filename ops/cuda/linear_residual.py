@@ -7,11 +7,17 @@ from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column,
-                                         dot, in_chunks, prefetch_row)
+                                         dot, in_chunks, load_trip, no_chunk, prefetch_row)
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous, warp_sum
 from nanoeuler_ops.linear_residual import check_shapes
 
 TRIP = 8   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
+
+
+@cuda.jit(device=True, inline=True)
+def weight_trip(w, o, c):
+    return (chunk(w, o, c), chunk(w, o, c + STEP), chunk(w, o, c + 2 * STEP), chunk(w, o, c + 3 * STEP),
+            chunk(w, o, c + 4 * STEP), chunk(w, o, c + 5 * STEP), chunk(w, o, c + 6 * STEP), chunk(w, o, c + 7 * STEP))
 
 
 @cuda.jit(cache=True)
@@ -24,15 +30,16 @@ def _forward(x, w, res, y):
     dots = cuda.local.array(ROWS, float32)
     let_next_start()
     prefetch_row(w, o)
-    wait_for_previous()
+    first = lane * CHUNK
+    w0 = w1 = w2 = w3 = w4 = w5 = w6 = w7 = no_chunk()
     for r0 in range(0, N, ROWS):
         for r in range(ROWS):
             dots[r] = 0.0
-        for c in range(lane * CHUNK, I, TRIP * STEP):   # loads first
-            w0, w1 = chunk(w, o, c), chunk(w, o, c + STEP)
-            w2, w3 = chunk(w, o, c + 2 * STEP), chunk(w, o, c + 3 * STEP)
-            w4, w5 = chunk(w, o, c + 4 * STEP), chunk(w, o, c + 5 * STEP)
-            w6, w7 = chunk(w, o, c + 6 * STEP), chunk(w, o, c + 7 * STEP)
+        for c in range(first, I, TRIP * STEP):   # loads first
+            if load_trip(c, first, r0, I, TRIP):
+                w0, w1, w2, w3, w4, w5, w6, w7 = weight_trip(w, o, c)
+            if r0 == 0 and c == first:   # the first trip's weights were asked for before
+                wait_for_previous()
             for r in range(ROWS):
                 if r0 + r < N:
                     n = r0 + r

@@ -13,11 +13,19 @@ from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column,
-                                         dot, in_chunks, prefetch_row, product)
+                                         dot, in_chunks, load_trip, no_chunk, prefetch_row, product)
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_linear import check_shapes
 
 TRIP = 4   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
+
+
+@cuda.jit(device=True, inline=True)
+def weight_trip(w, g, o, c):
+    # a trip's chunks of w[o] * g
+    return (product(chunk(w, o, c), chunk(g, 0, c)), product(chunk(w, o, c + STEP), chunk(g, 0, c + STEP)),
+            product(chunk(w, o, c + 2 * STEP), chunk(g, 0, c + 2 * STEP)),
+            product(chunk(w, o, c + 3 * STEP), chunk(g, 0, c + 3 * STEP)))
 
 
 @cuda.jit(cache=True)
@@ -31,16 +39,17 @@ def _forward(x, g, w, features, eps, y):
     squares = cuda.local.array(ROWS, float32)
     let_next_start()
     prefetch_row(w, o)
-    wait_for_previous()
+    first = lane * CHUNK
+    w0 = w1 = w2 = w3 = no_chunk()
     for r0 in range(0, N, ROWS):
         for r in range(ROWS):
             dots[r] = 0.0
             squares[r] = 0.0
-        for c in range(lane * CHUNK, C, TRIP * STEP):   # loads first
-            w0 = product(chunk(w, o, c), chunk(g, 0, c))
-            w1 = product(chunk(w, o, c + STEP), chunk(g, 0, c + STEP))
-            w2 = product(chunk(w, o, c + 2 * STEP), chunk(g, 0, c + 2 * STEP))
-            w3 = product(chunk(w, o, c + 3 * STEP), chunk(g, 0, c + 3 * STEP))
+        for c in range(first, C, TRIP * STEP):   # loads first
+            if load_trip(c, first, r0, C, TRIP):
+                w0, w1, w2, w3 = weight_trip(w, g, o, c)
+            if r0 == 0 and c == first:   # the first trip's weights were asked for before
+                wait_for_previous()
             for r in range(ROWS):
                 if r0 + r < N:
                     x0 = chunk(x, r0 + r, c)

@@ -12,11 +12,20 @@ from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot,
-                                         in_chunks, prefetch_row, product)
+                                         in_chunks, load_trip, no_chunk, prefetch_row, product)
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_swiglu import check_shapes
 
 TRIP = 3   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
+
+
+@cuda.jit(device=True, inline=True)
+def weight_trip(w, g, f, F, c):
+    # a trip's chunks of the gate row w[f] * g, then of the up row w[F + f] * g
+    g0, g1, g2 = chunk(g, 0, c), chunk(g, 0, c + STEP), chunk(g, 0, c + 2 * STEP)
+    return (product(chunk(w, f, c), g0), product(chunk(w, f, c + STEP), g1), product(chunk(w, f, c + 2 * STEP), g2),
+            product(chunk(w, F + f, c), g0), product(chunk(w, F + f, c + STEP), g1),
+            product(chunk(w, F + f, c + 2 * STEP), g2))
 
 
 @cuda.jit(cache=True)
@@ -33,17 +42,18 @@ def _forward(x, g, w, features, eps, y):
     let_next_start()
     prefetch_row(w, f)
     prefetch_row(w, F + f)
-    wait_for_previous()
+    first = lane * CHUNK
+    gate0 = gate1 = gate2 = up0 = up1 = up2 = no_chunk()
     for r0 in range(0, N, ROWS):
         for r in range(ROWS):
             gates[r] = 0.0
             ups[r] = 0.0
             squares[r] = 0.0
-        for c in range(lane * CHUNK, C, TRIP * STEP):   # loads first
-            g0, g1, g2 = chunk(g, 0, c), chunk(g, 0, c + STEP), chunk(g, 0, c + 2 * STEP)
-            gate0, up0 = product(chunk(w, f, c), g0), product(chunk(w, F + f, c), g0)
-            gate1, up1 = product(chunk(w, f, c + STEP), g1), product(chunk(w, F + f, c + STEP), g1)
-            gate2, up2 = product(chunk(w, f, c + 2 * STEP), g2), product(chunk(w, F + f, c + 2 * STEP), g2)
+        for c in range(first, C, TRIP * STEP):   # loads first
+            if load_trip(c, first, r0, C, TRIP):
+                gate0, gate1, gate2, up0, up1, up2 = weight_trip(w, g, f, F, c)
+            if r0 == 0 and c == first:   # the first trip's weights were asked for before
+                wait_for_previous()
             for r in range(ROWS):
                 if r0 + r < N:
                     x0, x1, x2 = chunk(x, r0 + r, c), chunk(x, r0 + r, c + STEP), chunk(x, r0 + r, c + 2 * STEP)
