@@ -17,8 +17,16 @@ if compgen -G "$_root/.whl/*.whl" > /dev/null && command -v nvidia-smi > /dev/nu
     python3 -m venv --system-site-packages "$NE_VENV" || return 1
     echo "$_site" > "$("$NE_VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')/image_site.pth"
     "$NE_VENV/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation --ignore-installed \
-        "$_root"/.whl/*.whl "$_root" || return 1
+        "$_root"/.whl/*.whl || return 1
     touch "$NE_VENV/installed"
+  fi
+  # the project again whenever its sources differ from those installed (a machine kept warm between
+  # calls gets each call's tree)
+  _sources=$(cd "$_root" && find nanoeuler_core ops data plugins pyproject.toml -type f \
+      \( -name '*.py' -o -name '*.toml' -o -name '*.html' -o -name '*.json' \) -print0 | sort -z | xargs -0 cat | md5sum)
+  if [ "$_sources" != "$(cat "$NE_VENV/sources" 2>/dev/null)" ]; then
+    "$NE_VENV/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation --force-reinstall "$_root" || return 1
+    echo "$_sources" > "$NE_VENV/sources"
   fi
   source "$NE_VENV/bin/activate"
 fi
