@@ -1,15 +1,18 @@
 """Decoding speed: nanoeuler's plain, self-speculative and default (the policy that chooses per
 step, decode.py) decoding against PyTorch on the same weights, each with a KV cache, in one run.
 
-Each engine runs in its own process (separate thread pools, compilation caches and peak memory):
-nanoeuler plain, speculative and default, PyTorch eager with a static KV cache, and on a GPU
-PyTorch with torch.compile(mode="reduce-overhead"): the static cache and one decoding step
-captured as a CUDA graph, as gpt-fast does. nanoeuler reads bf16 or float32 weights (`weights`;
+nanoeuler's three modes share one process, a decoder each on the same weights, and take turns: a
+round times one generation of each, so that the machine's drift (clocks, other work) falls on every
+mode alike and their ratios compare like with like; a mode's memory is the model's plus what its
+decoder added (on a CPU, the growth of the peak resident set: the first mode's includes compiling). Each peer runs in its own process (separate thread pools, compilation caches and
+peak memory): PyTorch eager with a static KV cache, and on a GPU PyTorch with
+torch.compile(mode="reduce-overhead"): the static cache and one decoding step captured as a CUDA
+graph, as gpt-fast does. nanoeuler reads bf16 or float32 weights (`weights`;
 default bf16 where the backend runs it), accumulating in float32; PyTorch is float32 (TF32 off).
 Greedy by default, on one CPU thread for both engines on a CPU,
 the same prompt for every row. A run is a full generation (prefill + new tokens) of `tokens` new
-tokens per row; tokens/s is rows x tokens over its wall time, the median of `repeats` runs after
-one warm-up (compilation, graph capture, and the policy's step timings). Prefill is timed apart, on
+tokens per row; tokens/s is rows x tokens over its wall time, the median of `repeats` runs (rounds,
+for nanoeuler) after one warm-up (compilation, graph capture, and the policy's step timings). Prefill is timed apart, on
 a longer prompt of `prefill` tokens per row: a generation of one token (nanoeuler plain) and the
 prefill call (PyTorch), rows x prompt tokens over the median time. The speculative speed-up
 needs trained weights (a random model's heads agree with nothing): pass a run directory. The
@@ -24,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -72,28 +76,40 @@ def bench_prompt(cfg, tok, length: int, source: str = "held-out") -> list[int]:
     return tok.encode(text[start:start + 40 * length])[:length]
 
 
-def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, temperature, speculative,
-                     weights, prefill=0, prompt_from="held-out") -> dict:
+def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, temperature, modes,
+                     weights, prefill=0, prompt_from="held-out") -> list[dict]:
+    """nanoeuler's decoding in each of `modes` (False plain, True speculative, None the policy), a decoder
+    each, warmed up, then `repeats` rounds that each time one generation of every mode in turn; the
+    first mode's decoder also times the prefill of `prefill` tokens (if any). A dict per mode."""
     from nanoeuler_core.inference.decode import DecodeStats, Sampling, decoder_for
 
     model, tok = load_weights(preset, run, backend)
     ids = bench_prompt(model.cfg, tok, prompt, prompt_from)
-    decoder = decoder_for(model, batch_size, speculative, Sampling(temperature), weights)
     seeds = list(range(batch_size))
-    out = decoder.generate([ids] * batch_size, tokens, seeds)   # warm-up: compilation, graph capture
-    stats = DecodeStats()
-    times = _timed(lambda: decoder.generate([ids] * batch_size, tokens, seeds, stats=stats), repeats)
+    base_mb = memory_mb(model.backend)
+    engines = []
+    for speculative in modes:
+        before_mb = memory_mb(model.backend)
+        decoder = decoder_for(model, batch_size, speculative, Sampling(temperature), weights)
+        out = decoder.generate([ids] * batch_size, tokens, seeds)   # warm-up: compilation, graph capture
+        engines.append(SimpleNamespace(decoder=decoder, tokens=out[0], stats=DecodeStats(), times=[],
+                                       memory_mb=base_mb + memory_mb(model.backend) - before_mb))
+    for _ in range(repeats):
+        for e in engines:
+            e.times += _timed(lambda: e.decoder.generate([ids] * batch_size, tokens, seeds, stats=e.stats), 1)
     prefill_s = None
     if prefill:   # one new token: the prefill and the first token
         long = [bench_prompt(model.cfg, tok, prefill)] * batch_size
-        decoder.generate(long, 1, seeds)
-        prefill_s = statistics.median(_timed(lambda: decoder.generate(long, 1, seeds), repeats))
-    return {"median_s": statistics.median(times), "memory_mb": memory_mb(model.backend), "tokens": out[0],
-            "acceptance": stats.acceptance, "per_step": stats.tokens_per_step, "mode": stats.mode,
-            "kept_where_reached": [k / o if o else None
-                                   for k, o in zip(decoder.kept.tolist(), decoder.offered.tolist())],
-            "speculative_steps": stats.speculative_steps / stats.steps if stats.steps else 0.0,
-            "weights": stats.weights, "prefill_s": prefill_s}
+        first = engines[0].decoder
+        first.generate(long, 1, seeds)
+        prefill_s = statistics.median(_timed(lambda: first.generate(long, 1, seeds), repeats))
+    return [{"median_s": statistics.median(e.times), "memory_mb": e.memory_mb, "tokens": e.tokens,
+             "acceptance": e.stats.acceptance, "per_step": e.stats.tokens_per_step, "mode": e.stats.mode,
+             "kept_where_reached": [k / o if o else None
+                                    for k, o in zip(e.decoder.kept.tolist(), e.decoder.offered.tolist())],
+             "speculative_steps": e.stats.speculative_steps / e.stats.steps if e.stats.steps else 0.0,
+             "weights": e.stats.weights, "prefill_s": prefill_s if i == 0 else None}
+            for i, e in enumerate(engines)]
 
 
 def _kept_line(rates: list) -> str:
@@ -203,11 +219,10 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
          f"{tokens} new tokens, {mode}; median of {repeats} after a warm-up")
     common = dict(preset=preset, run=run_dir, backend=backend, batch_size=batch_size, prompt=prompt, tokens=tokens,
                   repeats=repeats, prompt_from=prompt_from)
-    rows = {}
-    for speculative, name in ((False, "nanoeuler plain"), (True, "nanoeuler speculative"), (None, "nanoeuler default")):
-        rows[name] = _run_worker({**common, "engine": "nanoeuler", "temperature": temperature,
-                                  "speculative": speculative, "weights": weights,
-                                  "prefill": prefill if speculative is False else 0}, MODULE)
+    modes = {"nanoeuler plain": False, "nanoeuler speculative": True, "nanoeuler default": None}
+    ours = _run_worker({**common, "engine": "nanoeuler", "temperature": temperature, "modes": list(modes.values()),
+                        "weights": weights, "prefill": prefill}, MODULE)
+    rows = dict(zip(modes, ours or [None] * len(modes)))
     if peers and temperature == 0:
         try:
             import torch  # noqa: F401  (only to know whether the peers can run)
