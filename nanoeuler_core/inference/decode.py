@@ -33,7 +33,8 @@ rows it computes, it runs the width W in 1..K with the most expected tokens per 
 (1 + expected proposals kept) / t(n, W), where that beats plain decoding's (W = 1) by
 SPECULATION_MARGIN: t(n, W) is the measured time of a step of width W over n rows (`measure`, the
 fastest of a few interleaved rounds, run by `warm_up` and by a greedy `generate` call; or told, in
-`step_seconds`), and
+`step_seconds`), taken as at least that of every narrower width (a wider step does a narrower one's
+work and more: a time measured below it is noise, and would make speculation look free), and
 proposal j's acceptance is the running rate at which it was kept when the j - 1 before it were
 (counted over the decoder's life, from an optimistic start of 1 in 1, so that a new decoder tries
 speculation before it has seen any). Greedy rows give the same tokens whatever the widths (a
@@ -475,7 +476,8 @@ class Decoder:
             return self.fixed_width()
         key = (n, tuple(seconds))
         if key not in self._widths:   # decided again only when the acceptance or the timings change
-            rates = self.expected_tokens() / np.array(seconds)   # tokens per second of each width
+            # tokens per second of each width, a width's time at least every narrower one's
+            rates = self.expected_tokens() / np.maximum.accumulate(seconds)
             best = int(np.argmax(rates))
             self._widths[key] = 1 + best if rates[best] > SPECULATION_MARGIN * rates[0] else 1
         return self._widths[key]
