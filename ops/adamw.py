@@ -80,10 +80,12 @@ class ScaleSumSquares:
 def sample_inputs(rng):
     # (P, n_decay, step, max_grad_norm, hook): clipping on (norm well above 1) and off (0 = never,
     # or a bound above the norm), decay over part of the buffer, none of it, and all of it; a
-    # shard whose norm is summed with three others' (clipping by the global norm).
+    # shard whose norm is summed with three others' (clipping by the global norm); a buffer of
+    # several GPU blocks, the last one partly filled.
     for size, n_decay, step, max_grad_norm, hook in ((10, 6, 1, 1.0, None), (300, 157, 7, 0.0, None),
                                                      (77, 0, 3, 100.0, None), (1000, 1000, 12, 0.5, None),
-                                                     (200, 120, 5, 20.0, ScaleSumSquares(4.0))):
+                                                     (200, 120, 5, 20.0, ScaleSumSquares(4.0)),
+                                                     (2500, 1700, 4, 1.0, None)):
         params = rng.standard_normal(size)
         grads = rng.standard_normal(size)
         m = 0.1 * rng.standard_normal(size)

@@ -4,8 +4,11 @@ Three launches and no host synchronisation, so a captured CUDA graph replays the
   1. each block sums the squares of its share of the gradients (float64) into partial[block];
   2. one block adds the partials into sum_squares (1,) in device memory (which
      `reduce_sum_squares`, if given, then all-reduces across data-parallel ranks);
-  3. one thread per parameter reads sum_squares and sched = [lr, step] from device memory, clips
-     and updates params, m and v in place; thread 0 also writes the norm.
+  3. each thread reads sum_squares and sched = [lr, step] from device memory, works out the step's
+     clipping scale and bias corrections once, then clips and updates ELEMENTS parameters (and
+     their m and v) in place, a block's threads side by side (coalesced); thread 0 also writes the
+     norm. The constants cost more than an element's update (two powers, a float64 square root,
+     a division), and a memory-bound update has no instructions to spare for them.
 Partials are summed in a fixed order: the norm is the same on every run.
 """
 
@@ -18,6 +21,7 @@ from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.runtime import block_reduce
 
 THREADS = 256
+ELEMENTS = 4          # parameters a thread of the update takes
 MAX_PARTIALS = 1024
 CLIP_EPS = 1e-6
 
@@ -51,28 +55,42 @@ def _total(partial, sum_squares):
 def _update(params, grads, m, v, sched, sum_squares, norm_out, beta1, beta2, eps, weight_decay, n_decay,
             max_grad_norm):
     # params, grads, m, v (P,), sched (2,) = [lr, step], sum_squares (1,) float64 -> params, m, v
-    # updated in place, norm_out (1,) = sqrt(sum_squares)
-    i = cuda.grid(1)
+    # updated in place, norm_out (1,) = sqrt(sum_squares); thread t of block b takes the parameters
+    # b * THREADS * ELEMENTS + t + k * THREADS, k < ELEMENTS
+    first = cuda.blockIdx.x * (THREADS * ELEMENTS) + cuda.threadIdx.x
+    P = params.shape[0]
+    g_in = cuda.local.array(ELEMENTS, float32)
+    m_in = cuda.local.array(ELEMENTS, float32)
+    v_in = cuda.local.array(ELEMENTS, float32)
+    p_in = cuda.local.array(ELEMENTS, float32)
+    for k in range(ELEMENTS):   # every load out first: a store (even the norm's) could alias a later load
+        i = first + k * THREADS
+        if i < P:
+            g_in[k], m_in[k], v_in[k], p_in[k] = grads[i], m[i], v[i], params[i]
     norm = float32(math.sqrt(sum_squares[0]))
-    if i == 0:
+    if first == 0:
         norm_out[0] = norm
-    if i < params.shape[0]:
-        lr = sched[0]
-        step = sched[1]
-        scale = float32(1.0)
-        if max_grad_norm > 0:
-            scale = min(float32(1.0), max_grad_norm / (norm + float32(CLIP_EPS)))
-        g = grads[i] * scale
-        mi = beta1 * m[i] + (float32(1.0) - beta1) * g
-        vi = beta2 * v[i] + (float32(1.0) - beta2) * g * g
-        m[i] = mi
-        v[i] = vi
-        mhat = mi / (float32(1.0) - beta1 ** step)
-        vhat = vi / (float32(1.0) - beta2 ** step)
-        p = params[i]
-        if i < n_decay:
-            p -= lr * weight_decay * p
-        params[i] = p - lr * mhat / (math.sqrt(vhat) + eps)
+    lr = sched[0]
+    step = sched[1]
+    scale = float32(1.0)
+    if max_grad_norm > 0:
+        scale = min(float32(1.0), max_grad_norm / (norm + float32(CLIP_EPS)))
+    correction1 = float32(1.0) - beta1 ** step
+    correction2 = float32(1.0) - beta2 ** step
+    for k in range(ELEMENTS):
+        i = first + k * THREADS
+        if i < P:
+            g = g_in[k] * scale
+            mi = beta1 * m_in[k] + (float32(1.0) - beta1) * g
+            vi = beta2 * v_in[k] + (float32(1.0) - beta2) * g * g
+            m[i] = mi
+            v[i] = vi
+            mhat = mi / correction1
+            vhat = vi / correction2
+            p = p_in[k]
+            if i < n_decay:
+                p -= lr * weight_decay * p
+            params[i] = p - lr * mhat / (math.sqrt(vhat) + eps)
 
 
 def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm,
@@ -86,7 +104,7 @@ def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_de
     runtime.launch(_total, 1, THREADS, partial, sum_squares)
     if reduce_sum_squares is not None:
         reduce_sum_squares(sum_squares)
-    runtime.launch(_update, runtime.blocks_for(size, THREADS), THREADS, params, grads, m, v, sched, sum_squares,
+    runtime.launch(_update, runtime.blocks_for(size, THREADS * ELEMENTS), THREADS, params, grads, m, v, sched, sum_squares,
                    norm, float32(beta1), float32(beta2), float32(eps), float32(weight_decay), n_decay,
                    float32(max_grad_norm))
     return norm, ()
