@@ -4,20 +4,21 @@ step, decode.py) decoding against PyTorch on the same weights, each with a KV ca
 nanoeuler's three modes share one process, a decoder each on the same weights, and take turns: a
 round times one generation of each, so that the machine's drift (clocks, other work) falls on every
 mode alike and their ratios compare like with like; a mode's memory is the model's plus what its
-decoder added (on a CPU, the growth of the peak resident set: the first mode's includes compiling). Each peer runs in its own process (separate thread pools, compilation caches and
-peak memory): PyTorch eager with a static KV cache, and on a GPU PyTorch with
+decoder added (on a CPU, the growth of the peak resident set: the first mode's includes
+compiling). Each peer runs in its own process (separate thread pools, compilation caches and peak
+memory): PyTorch eager with a static KV cache, and on a GPU PyTorch with
 torch.compile(mode="reduce-overhead"): the static cache and one decoding step captured as a CUDA
-graph, as gpt-fast does. nanoeuler reads bf16 or float32 weights (`weights`;
-default bf16 where the backend runs it), accumulating in float32; PyTorch is float32 (TF32 off).
-Greedy by default, on one CPU thread for both engines on a CPU,
-the same prompt for every row. A run is a full generation (prefill + new tokens) of `tokens` new
-tokens per row; tokens/s is rows x tokens over its wall time, the median of `repeats` runs (rounds,
-for nanoeuler) after one warm-up (compilation, graph capture, and the policy's step timings). Prefill is timed apart, on
-a longer prompt of `prefill` tokens per row: a generation of one token (nanoeuler plain) and the
-prefill call (PyTorch), rows x prompt tokens over the median time. The speculative speed-up
-needs trained weights (a random model's heads agree with nothing): pass a run directory. The
-memory bandwidth plain decoding achieves is the bytes a step reads (`plain_step_bytes`) over its
-time, against the card's where it is known.
+graph, as gpt-fast does. nanoeuler reads bf16 or float32 weights (`weights`; default bf16 where the
+backend runs it), accumulating in float32; PyTorch is float32 (TF32 off). Greedy by default, on one
+CPU thread for both engines on a CPU, the same prompt for every row. A run is a full generation
+(prefill + new tokens) of `tokens` new tokens per row; tokens/s is rows x tokens over its wall
+time, the median of `repeats` runs (rounds, for nanoeuler) after one warm-up (compilation, graph
+capture, and the policy's step timings). Prefill is timed apart, on a longer prompt of `prefill`
+tokens per row: a generation of one token (nanoeuler plain) and the prefill call (PyTorch), rows x
+prompt tokens over the median time. The speculative speed-up needs trained weights (a random
+model's heads agree with nothing): pass a run directory. The memory bandwidth plain decoding
+achieves is the bytes a step reads (`plain_step_bytes`) over its time, against the card's where it
+is known.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_de
     runtime.launch(_total, 1, THREADS, partial, sum_squares)
     if reduce_sum_squares is not None:
         reduce_sum_squares(sum_squares)
-    runtime.launch(_update, runtime.blocks_for(size, THREADS * ELEMENTS), THREADS, params, grads, m, v, sched, sum_squares,
-                   norm, float32(beta1), float32(beta2), float32(eps), float32(weight_decay), n_decay,
+    runtime.launch(_update, runtime.blocks_for(size, THREADS * ELEMENTS), THREADS, params, grads, m, v, sched,
+                   sum_squares, norm, float32(beta1), float32(beta2), float32(eps), float32(weight_decay), n_decay,
                    float32(max_grad_norm))
     return norm, ()
