@@ -2,8 +2,9 @@
 alone), the step with its host work (the replay, the accepted counts and tokens copied back and
 waited for), and steps as `generate` runs them (`Decoder.step`, running ahead where the backend
 captures: the host's work hidden behind the next step), for a model of random weights (the
-`gpu` preset unless told) decoding plain (one token per row and step) at rows R, each row from
-position 200 (or half the context, if less); then a whole `generate` call of one new token (the
+`gpu` preset unless told) decoding plain (one token per row and step) at rows R, with the plain
+decoder or (--mode default) with the policy's, whose plain step reads a cache with room for
+proposals, each row from position 200 (or half the context, if less); then a whole `generate` call of one new token (the
 prompt's prefill and the first token: what a call costs outside its steps), with --host-profile
 its Python profile. With --ncu, three replays between profiler start and stop, for Nsight
 Compute to time each kernel (bench/ncu_kernels.py sums them). With --twice KERNEL (the CUDA
@@ -12,7 +13,8 @@ writes the same output from the same inputs again): the step's growth is what th
 inside the step, overlapped with its neighbours as it runs there, unlike Nsight Compute's
 kernels one at a time.
 
-    python bench/decode_step.py [--rows R] [--preset P --backend B] [--replay-only] [--twice op.kernel ...]
+    python bench/decode_step.py [--rows R] [--mode plain|default] [--preset P --backend B] [--replay-only]
+                                [--twice op.kernel ...]
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
         python bench/decode_step.py --ncu > kernels.csv && python bench/ncu_kernels.py kernels.csv 3
 """
@@ -54,6 +56,8 @@ def launch_twice(names: set) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--mode", choices=("plain", "default"), default="plain",
+                        help="the plain decoder, or the policy's (its steps here: plain ones)")
     parser.add_argument("--preset", default="gpu")
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--ncu", action="store_true", help="profile three replays (run under ncu)")
@@ -68,7 +72,7 @@ def main() -> None:
     model, _ = load_weights(args.preset, None, args.backend)
     ctx = model.cfg.ctx_len
     position = min(POSITION, ctx // 2)
-    decoder = decoder_for(model, rows, False, Sampling(0.0), None)
+    decoder = decoder_for(model, rows, False if args.mode == "plain" else None, Sampling(0.0), None)
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 16).tolist()
     decoder.generate([prompt] * rows, 32, list(range(rows)))   # compiles and captures the step
     # a captured plain step over the rows (one per mailbox; either)
