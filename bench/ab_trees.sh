@@ -13,9 +13,15 @@
 # tree at once (compiling is CPU work; a fresh machine takes a minute or two), then the trees run
 # in turn, twice round, so that drift in the machine falls on all of them. Logs: LOG_DIR/TREE.log.
 set -uo pipefail
+usage() { echo "usage: bash bench/ab_trees.sh LOG_DIR TREE... [-- COMMAND...]" >&2; exit 1; }
+[ $# -ge 1 ] || usage
 log_dir=$1; shift
 trees=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do trees+=("$(cd "$1" && pwd)"); shift; done
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+    [ -d "$1/nanoeuler_core" ] || { echo "error: $1 is not a nanoeuler source tree (no nanoeuler_core/ in it)" >&2; exit 1; }
+    trees+=("$(cd "$1" && pwd)"); shift
+done
+[ ${#trees[@]} -gt 0 ] || usage
 [ "${1:-}" = "--" ] && shift
 if [ $# -gt 0 ]; then command=("$@"); else command=(python3 bench/decode_step.py --rows 1 --replay-only); fi
 cd "$(dirname "$0")/.."
