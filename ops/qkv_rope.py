@@ -70,8 +70,11 @@ def backward(dout, saved, qkv, *, n_heads, n_kv_heads, theta, start_pos=0):
 
 
 def sample_inputs(rng):
-    # (B, T, H, KV, D, start_pos): GQA, plain multi-head, a decode-style offset, one token
-    for b, t, h, kv, d, start_pos in ((1, 1, 1, 1, 2, 0), (2, 5, 4, 2, 6, 0), (2, 3, 2, 2, 8, 7), (1, 4, 4, 1, 16, 123)):
+    # (B, T, H, KV, D, start_pos): GQA, plain multi-head, a decode-style offset, one token; rows whose
+    # GPU threads take several pairs each (3-wide halves: a thread's pairs in different heads), and a
+    # row of more pairs than one GPU block takes (4,096)
+    for b, t, h, kv, d, start_pos in ((1, 1, 1, 1, 2, 0), (2, 5, 4, 2, 6, 0), (2, 3, 2, 2, 8, 7), (1, 4, 4, 1, 16, 123),
+                                      (1, 2, 8, 4, 32, 5), (1, 2, 40, 2, 6, 0), (1, 1, 130, 2, 64, 3)):
         qkv = rng.standard_normal((b, t, (h + 2 * kv) * d))
         yield Sample((qkv,), {"n_heads": h, "n_kv_heads": kv, "theta": 10000.0, "start_pos": start_pos},
                      grad_inputs=(0,), name=f"B{b}_T{t}_H{h}_KV{kv}_D{d}_p{start_pos}")

@@ -6,13 +6,12 @@ on the GPU per (D, theta) for positions 0 .. L-1 (L doubled whenever a later pos
 so a call copies nothing to the GPU and a captured CUDA graph replays it as is."""
 
 import numpy as np
-from numba import cuda, uint32, uint64
+from numba import cuda, float32, uint32, uint64
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import stored, to_f32
+from nanoeuler_ops.cuda.runtime import WARP, stored, to_f32
 from nanoeuler_ops.qkv_rope import check_shape, cos_sin
 
-THREADS = 256
 _tables: dict = {}   # (D, theta) -> (cos, sin), each (L, D/2) on the GPU
 
 
@@ -28,60 +27,99 @@ def rope_tables(positions: int, D: int, theta: float):
 
 
 # Arrays are passed flat with their dims and indexed with unsigned integers (no negative-index
-# wraparound). The grid is (rows bt = b T + t, pair blocks): one thread per rotated pair (head, j),
-# j < D/2, head < H + 2 KV, found with 32-bit divisions.
+# wraparound; a uint64 meeting an int64 would make a float). The grid is (rows bt = b T + t, pair
+# blocks). A row's rotated pairs (head, j), j < D/2, are numbered head * D/2 + j; thread i of pair
+# block c takes the pairs c * n * PAIRS + i + p * n, p < PAIRS, n threads a block, and asks for all
+# their inputs (and angles) before it computes or stores anything: a thread with one bf16 pair had
+# 4 bytes in flight at a time, too few to keep the memory busy.
+PAIRS = 4   # rotated pairs a thread takes
+
 
 @cuda.jit(device=True, inline=True)
-def _pair(T, H, KV, D):
-    # (row bt, head, j, t) of this thread's pair; head is H + 2 KV or more past the row's last pair
-    k = uint32(cuda.blockIdx.y * THREADS + cuda.threadIdx.x)
-    half = uint32(D // 2)
-    bt = uint64(cuda.blockIdx.x)
-    return bt, uint64(k // half), uint64(k % half), bt % uint64(T)
+def _pair(p, half):
+    # (head, j) of this thread's pair p (a head of H + 2 KV or more: none)
+    n = uint32(cuda.blockDim.x)
+    k = uint32(uint32(cuda.blockIdx.y) * n * uint32(PAIRS) + uint32(cuda.threadIdx.x) + uint32(p) * n)
+    return k // half, k % half   # 32-bit: Numba's products of uint32 are 64-bit, and so their division
+
+
+@cuda.jit(device=True, inline=True)
+def _rotated(u1, u2, c, s):
+    return u1 * c - u2 * s, u2 * c + u1 * s
 
 
 @cuda.jit(cache=True)
 def _split(qkv, T, H, KV, D, cos, sin, start_pos, q, k, v):
     # qkv (B*T*(H + 2 KV)*D,), cos/sin (L, D/2) -> q (B*T*H*D,), k, v (B*T*KV*D,): q and k heads rotated, v copied
-    bt, head, j, t = _pair(T, H, KV, D)
-    if head < uint64(H + 2 * KV):
-        half = uint64(D // 2)
-        src = (bt * uint64(H + 2 * KV) + head) * uint64(D) + j
-        u1, u2 = to_f32(qkv[src]), to_f32(qkv[src + half])
-        if head < uint64(H + KV):
-            c, s = cos[uint64(start_pos) + t, j], sin[uint64(start_pos) + t, j]
-            u1, u2 = u1 * c - u2 * s, u2 * c + u1 * s
-        if head < uint64(H):
-            dst = (bt * uint64(H) + head) * uint64(D) + j
-            q[dst], q[dst + half] = stored(q, u1), stored(q, u2)
-        elif head < uint64(H + KV):
-            dst = (bt * uint64(KV) + head - uint64(H)) * uint64(D) + j
-            k[dst], k[dst + half] = stored(k, u1), stored(k, u2)
-        else:
-            dst = (bt * uint64(KV) + head - uint64(H + KV)) * uint64(D) + j
-            v[dst], v[dst + half] = stored(v, u1), stored(v, u2)
+    H, KV, D = uint32(H), uint32(KV), uint32(D)
+    half, heads = D // uint32(2), H + uint32(2) * KV
+    row = uint64(cuda.blockIdx.x)
+    position = uint64(start_pos) + uint64(uint32(cuda.blockIdx.x) % uint32(T))
+    u1s = cuda.local.array(PAIRS, float32)
+    u2s = cuda.local.array(PAIRS, float32)
+    cs = cuda.local.array(PAIRS, float32)
+    ss = cuda.local.array(PAIRS, float32)
+    for p in range(PAIRS):
+        head, j = _pair(p, half)
+        if head < heads:
+            src = row * uint64(heads * D) + uint64(head * D + j)
+            u1s[p], u2s[p] = to_f32(qkv[src]), to_f32(qkv[src + uint64(half)])
+            cs[p], ss[p] = cos[position, uint64(j)], sin[position, uint64(j)]
+    for p in range(PAIRS):
+        head, j = _pair(p, half)
+        u1, u2 = u1s[p], u2s[p]
+        if head < H + KV:
+            u1, u2 = _rotated(u1, u2, cs[p], ss[p])
+        if head < H:
+            dst = row * uint64(H * D) + uint64(head * D + j)
+            q[dst], q[dst + uint64(half)] = stored(q, u1), stored(q, u2)
+        elif head < H + KV:
+            dst = row * uint64(KV * D) + uint64((head - H) * D + j)
+            k[dst], k[dst + uint64(half)] = stored(k, u1), stored(k, u2)
+        elif head < heads:
+            dst = row * uint64(KV * D) + uint64((head - H - KV) * D + j)
+            v[dst], v[dst + uint64(half)] = stored(v, u1), stored(v, u2)
 
 
 @cuda.jit(cache=True)
 def _gather(dq, dk, dv, T, H, KV, D, cos, sin, start_pos, dqkv):
     # dq (B*T*H*D,), dk, dv (B*T*KV*D,) -> dqkv (B*T*(H + 2 KV)*D,): dq and dk rotated back
-    bt, head, j, t = _pair(T, H, KV, D)
-    if head < uint64(H + 2 * KV):
-        half = uint64(D // 2)
-        if head < uint64(H):
-            src = (bt * uint64(H) + head) * uint64(D) + j
-            u1, u2 = to_f32(dq[src]), to_f32(dq[src + half])
-        elif head < uint64(H + KV):
-            src = (bt * uint64(KV) + head - uint64(H)) * uint64(D) + j
-            u1, u2 = to_f32(dk[src]), to_f32(dk[src + half])
-        else:
-            src = (bt * uint64(KV) + head - uint64(H + KV)) * uint64(D) + j
-            u1, u2 = to_f32(dv[src]), to_f32(dv[src + half])
-        if head < uint64(H + KV):
-            c, s = cos[uint64(start_pos) + t, j], -sin[uint64(start_pos) + t, j]
-            u1, u2 = u1 * c - u2 * s, u2 * c + u1 * s
-        dst = (bt * uint64(H + 2 * KV) + head) * uint64(D) + j
-        dqkv[dst], dqkv[dst + half] = stored(dqkv, u1), stored(dqkv, u2)
+    H, KV, D = uint32(H), uint32(KV), uint32(D)
+    half, heads = D // uint32(2), H + uint32(2) * KV
+    row = uint64(cuda.blockIdx.x)
+    position = uint64(start_pos) + uint64(uint32(cuda.blockIdx.x) % uint32(T))
+    u1s = cuda.local.array(PAIRS, float32)
+    u2s = cuda.local.array(PAIRS, float32)
+    cs = cuda.local.array(PAIRS, float32)
+    ss = cuda.local.array(PAIRS, float32)
+    for p in range(PAIRS):
+        head, j = _pair(p, half)
+        if head < H:
+            src = row * uint64(H * D) + uint64(head * D + j)
+            u1s[p], u2s[p] = to_f32(dq[src]), to_f32(dq[src + uint64(half)])
+        elif head < H + KV:
+            src = row * uint64(KV * D) + uint64((head - H) * D + j)
+            u1s[p], u2s[p] = to_f32(dk[src]), to_f32(dk[src + uint64(half)])
+        elif head < heads:
+            src = row * uint64(KV * D) + uint64((head - H - KV) * D + j)
+            u1s[p], u2s[p] = to_f32(dv[src]), to_f32(dv[src + uint64(half)])
+        if head < heads:
+            cs[p], ss[p] = cos[position, uint64(j)], -sin[position, uint64(j)]
+    for p in range(PAIRS):
+        head, j = _pair(p, half)
+        u1, u2 = u1s[p], u2s[p]
+        if head < H + KV:
+            u1, u2 = _rotated(u1, u2, cs[p], ss[p])
+        if head < heads:
+            dst = row * uint64(heads * D) + uint64(head * D + j)
+            dqkv[dst], dqkv[dst + uint64(half)] = stored(dqkv, u1), stored(dqkv, u2)
+
+
+def _launch(kernel, B, T, pairs_in_row, *args):
+    """kernel over B*T rows of pairs_in_row rotated pairs: the fewest threads a block (whole warps, at
+    most 1,024) that take a row's pairs PAIRS each, and more pair blocks where a row needs them."""
+    threads = min(1024, -(-pairs_in_row // (PAIRS * WARP)) * WARP)
+    runtime.launch(kernel, (B * T, runtime.blocks_for(pairs_in_row, threads * PAIRS)), threads, *args)
 
 
 def _flat(x):
@@ -96,9 +134,8 @@ def forward(qkv, *, n_heads, n_kv_heads, theta, start_pos=0):
     q = runtime.empty((B, T, n_heads, D), qkv.dtype)
     k = runtime.empty((B, T, n_kv_heads, D), qkv.dtype)
     v = runtime.empty((B, T, n_kv_heads, D), qkv.dtype)
-    grid = (B * T, runtime.blocks_for(width // 2, THREADS))
-    runtime.launch(_split, grid, THREADS, _flat(qkv), T, n_heads, n_kv_heads, D,
-                   cos, sin, start_pos, _flat(q), _flat(k), _flat(v))
+    _launch(_split, B, T, width // 2, _flat(qkv), T, n_heads, n_kv_heads, D, cos, sin, start_pos,
+            _flat(q), _flat(k), _flat(v))
     return (q, k, v), ()
 
 
@@ -106,7 +143,7 @@ def backward(dout, saved, qkv, *, n_heads, n_kv_heads, theta, start_pos=0):
     dq, dk, dv = dout
     cos, sin = rope_tables(start_pos + qkv.shape[1], dq.shape[3], theta)
     dqkv = runtime.empty(qkv.shape, qkv.dtype)
-    grid = (qkv.shape[0] * qkv.shape[1], runtime.blocks_for(qkv.shape[2] // 2, THREADS))
-    runtime.launch(_gather, grid, THREADS, _flat(dq), _flat(dk), _flat(dv),
-                   qkv.shape[1], n_heads, n_kv_heads, dq.shape[3], cos, sin, start_pos, _flat(dqkv))
+    B, T, width = qkv.shape
+    _launch(_gather, B, T, width // 2, _flat(dq), _flat(dk), _flat(dv), T, n_heads, n_kv_heads, dq.shape[3],
+            cos, sin, start_pos, _flat(dqkv))
     return (dqkv,)
