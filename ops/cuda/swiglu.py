@@ -10,6 +10,7 @@ from nanoeuler_ops.cuda.runtime import stored, to_f32
 from nanoeuler_ops.swiglu import check_shape
 
 THREADS = 256
+ELEMENTS = 4   # columns of a row a thread takes
 
 
 @cuda.jit(device=True, inline=True)
@@ -18,42 +19,67 @@ def _sigmoid(z):
 
 
 # Arrays are passed flat and indexed with unsigned integers; the grid is (rows, column blocks), so
-# no thread divides to find its row.
+# no thread divides to find its row. Thread t of column block c takes the row's columns
+# c * THREADS * ELEMENTS + t + k * THREADS, k < ELEMENTS, and asks for all their inputs before it
+# computes or stores anything: a thread with one bf16 column had 2 bytes in flight at a time, too
+# few to keep the memory busy.
+
+@cuda.jit(device=True, inline=True)
+def _first_column():
+    return cuda.blockIdx.y * (THREADS * ELEMENTS) + cuda.threadIdx.x
+
 
 @cuda.jit(cache=True)
 def _forward(x, y, F):
-    # x (N * 2F,) = rows [gate | up], y (N * F,); grid (N, F / THREADS), one thread per output element
-    j = cuda.blockIdx.y * THREADS + cuda.threadIdx.x
-    if j < F:
-        gate = uint64(cuda.blockIdx.x) * uint64(2 * F) + uint64(j)
-        g = to_f32(x[gate])
-        y[uint64(cuda.blockIdx.x) * uint64(F) + uint64(j)] = stored(y, g * _sigmoid(g) * to_f32(x[gate + uint64(F)]))
+    # x (N * 2F,) = rows [gate | up], y (N * F,); grid (N, F / (THREADS * ELEMENTS))
+    row, first = uint64(cuda.blockIdx.x), _first_column()
+    gates = cuda.local.array(ELEMENTS, float32)
+    ups = cuda.local.array(ELEMENTS, float32)
+    for k in range(ELEMENTS):
+        j = first + k * THREADS
+        if j < F:
+            gate = row * uint64(2 * F) + uint64(j)
+            gates[k], ups[k] = to_f32(x[gate]), to_f32(x[gate + uint64(F)])
+    for k in range(ELEMENTS):
+        j = first + k * THREADS
+        if j < F:
+            g = gates[k]
+            y[row * uint64(F) + uint64(j)] = stored(y, g * _sigmoid(g) * ups[k])
 
 
 @cuda.jit(cache=True)
 def _backward(dy, x, F, dx):
-    # dy (N * F,), x (N * 2F,) -> dx (N * 2F,); grid (N, F / THREADS), one thread per element of dy
-    j = cuda.blockIdx.y * THREADS + cuda.threadIdx.x
-    if j < F:
-        gate = uint64(cuda.blockIdx.x) * uint64(2 * F) + uint64(j)
-        up = gate + uint64(F)
-        g = to_f32(x[gate])
-        d = to_f32(dy[uint64(cuda.blockIdx.x) * uint64(F) + uint64(j)])
-        s = _sigmoid(g)
-        dx[gate] = stored(dx, d * to_f32(x[up]) * s * (float32(1.0) + g * (float32(1.0) - s)))
-        dx[up] = stored(dx, d * g * s)
+    # dy (N * F,), x (N * 2F,) -> dx (N * 2F,); grid (N, F / (THREADS * ELEMENTS))
+    row, first = uint64(cuda.blockIdx.x), _first_column()
+    gates = cuda.local.array(ELEMENTS, float32)
+    ups = cuda.local.array(ELEMENTS, float32)
+    grads = cuda.local.array(ELEMENTS, float32)
+    for k in range(ELEMENTS):
+        j = first + k * THREADS
+        if j < F:
+            gate = row * uint64(2 * F) + uint64(j)
+            gates[k], ups[k] = to_f32(x[gate]), to_f32(x[gate + uint64(F)])
+            grads[k] = to_f32(dy[row * uint64(F) + uint64(j)])
+    for k in range(ELEMENTS):
+        j = first + k * THREADS
+        if j < F:
+            gate = row * uint64(2 * F) + uint64(j)
+            g, d = gates[k], grads[k]
+            s = _sigmoid(g)
+            dx[gate] = stored(dx, d * ups[k] * s * (float32(1.0) + g * (float32(1.0) - s)))
+            dx[gate + uint64(F)] = stored(dx, d * g * s)
 
 
 def forward(x):
     check_shape(x)
     y = runtime.empty((x.shape[0], x.shape[1] // 2), x.dtype)
-    grid = (x.shape[0], runtime.blocks_for(y.shape[1], THREADS))
+    grid = (x.shape[0], runtime.blocks_for(y.shape[1], THREADS * ELEMENTS))
     runtime.launch(_forward, grid, THREADS, x.reshape(x.size), y.reshape(y.size), y.shape[1])
     return y, ()
 
 
 def backward(dy, saved, x):
     dx = runtime.empty(x.shape, x.dtype)
-    grid = (x.shape[0], runtime.blocks_for(dy.shape[1], THREADS))
+    grid = (x.shape[0], runtime.blocks_for(dy.shape[1], THREADS * ELEMENTS))
     runtime.launch(_backward, grid, THREADS, dy.reshape(dy.size), x.reshape(x.size), dy.shape[1], dx.reshape(dx.size))
     return (dx,)
