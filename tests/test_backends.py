@@ -171,3 +171,24 @@ def test_simulated_blocks_meet_at_barriers_and_report_the_failing_thread():
     a[:] = 0
     reverse[3, 64](a, False)
     assert a[0, 1] == 38
+
+
+@pytest.mark.skipif(not numba.config.ENABLE_CUDASIM and not cuda.is_available(), reason="needs the CUDA backend")
+def test_device_copies_convert_between_storages_over_many_blocks():
+    """The CUDA backend's device-to-device copy (its kernels): float32 to bf16 rounds to nearest even,
+    as the host's conversion does, bf16 to float32 is exact, one storage to the same copies the bits;
+    every element of arrays of one to several blocks, the last one part-filled."""
+    from nanoeuler_ops.cuda import runtime
+
+    rng = np.random.default_rng(0)
+    for n in (1, 1000, 3001):
+        values = rng.standard_normal(n).astype(np.float32)
+        bits = registry.bf16_bits(values)
+        wide, narrow = cuda.to_device(values), cuda.to_device(np.zeros(n, runtime.BF16))
+        again, copied = cuda.to_device(np.zeros(n, np.float32)), cuda.to_device(np.zeros(n, np.float32))
+        runtime.copy(narrow, wide)
+        runtime.copy(again, narrow)
+        runtime.copy(copied, again)
+        assert np.array_equal(narrow.copy_to_host(), bits)
+        assert np.array_equal(again.copy_to_host(), registry.bf16_values(bits))
+        assert np.array_equal(copied.copy_to_host(), again.copy_to_host())

@@ -315,21 +315,33 @@ def _copy(dst, src):
         dst[i] = src[i]
 
 
+CAST_ELEMENTS = 4   # elements a thread of `_cast` takes
+
+
 @cuda.jit(cache=True)
 def _cast(dst, src):
-    # dst (n,) <- src (n,) between float32 and bf16 storage
-    i = cuda.grid(1)
+    # dst (n,) <- src (n,) between float32 and bf16 storage; thread t of block b takes the elements
+    # b * 256 * CAST_ELEMENTS + t + k * 256 and reads them all before it writes any (the bf16 copy of
+    # the weights each training step refreshes: 4 bytes a thread in flight were too few)
+    first = cuda.blockIdx.x * (256 * CAST_ELEMENTS) + cuda.threadIdx.x
+    values = cuda.local.array(CAST_ELEMENTS, float32)
     let_next_start()
     wait_for_previous()
-    if i < dst.shape[0]:
-        dst[i] = stored(dst, to_f32(src[i]))
+    for k in range(CAST_ELEMENTS):
+        i = first + k * 256
+        if i < dst.shape[0]:
+            values[k] = to_f32(src[i])
+    for k in range(CAST_ELEMENTS):
+        i = first + k * 256
+        if i < dst.shape[0]:
+            dst[i] = stored(dst, values[k])
 
 
 def copy(dst, src) -> None:
     """dst <- src for contiguous device arrays of one size, on the current stream (capturable),
     overlapping the kernel ahead; between float32 and bf16 storage the values are converted."""
-    kernel = _copy if dst.dtype == src.dtype else _cast
-    launch(kernel, blocks_for(dst.size, 256), 256, dst.reshape(dst.size), src.reshape(src.size), overlap=True)
+    kernel, per_block = (_copy, 256) if dst.dtype == src.dtype else (_cast, 256 * CAST_ELEMENTS)
+    launch(kernel, blocks_for(dst.size, per_block), 256, dst.reshape(dst.size), src.reshape(src.size), overlap=True)
 
 
 def host_visible(shape, dtype):
