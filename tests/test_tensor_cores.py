@@ -1,5 +1,6 @@
 """The tensor-core primitives of the CUDA backend: a warp's mma.sync tile in the documented fragment
-layout, tiles copied to shared memory by cp.async and read into fragments by ldmatrix, and bf16
+layout, tiles copied to shared memory by cp.async and read into fragments by ldmatrix, a warpgroup's
+wgmma products from swizzled shared memory (and the attention forward built on them), and bf16
 conversions. On a GPU the inline-PTX instructions run; under the simulator their
 twins, which the simulated tensor-core kernels rely on, are checked against the same NumPy answer."""
 
@@ -9,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from numba import cuda, uint32, uint64
+from numba import cuda, float32, uint32, uint64
 
 from nanoeuler_core.registry import bf16_bits, bf16_values
 from nanoeuler_ops.cuda import runtime
@@ -66,6 +67,53 @@ def _conversions(x, rounded, pairs, back):
         back[2 * i], back[2 * i + 1] = runtime.bf16x2_values(pairs[i])
 
 
+WG_TILE = 64 * 32                 # words of a 64 x 64 bf16 tile
+WG_WORDS = 256 + 3 * WG_TILE      # three tiles from the first 1024-byte aligned word
+
+
+@cuda.jit
+def _warpgroup_tiles(a, bt, v, d_ss, d_rs):
+    # a, bt, v (64, 32) words: A (64 x 64) by rows, B^T by rows, V by rows; one warpgroup computes
+    # d_ss = A B with both operands in shared memory and d_rs = A V with A in registers (64 x 64 each)
+    sh = cuda.shared.array(WG_WORDS, uint32, alignment=SHARED_ALIGN)
+    base = runtime.shared_base(sh)
+    at = ((uint32(1024) - (base & uint32(1023))) & uint32(1023)) >> uint32(2)
+    tid = cuda.threadIdx.x
+    for i in range(tid, 3 * 64 * 8, 128):   # the tiles' 16-byte chunks, stored in the 128-byte swizzle
+        tile, row, chunk = i // 512, i // 8 % 64, i % 8
+        for w in range(4):
+            word = a[row, 4 * chunk + w] if tile == 0 else (bt[row, 4 * chunk + w] if tile == 1 else v[row, 4 * chunk + w])
+            sh[at + tile * WG_TILE + row * 32 + 4 * (chunk ^ (row % 8)) + w] = word
+    runtime.proxy_fence()
+    cuda.syncthreads()
+    warp, lane = tid // 32, tid % 32
+    g, t = lane // 4, lane % 4
+    r = 16 * warp + g
+    acc = cuda.local.array((8, 4), float32)
+    frag = cuda.local.array((4, 4), uint32)
+    descs = (runtime.smem_descriptor(base + 4 * at, 1024), runtime.smem_descriptor(base + 4 * (at + WG_TILE), 1024),
+             runtime.smem_descriptor(base + 4 * (at + 2 * WG_TILE), 1024))
+    for product in range(2):
+        if product == 0:
+            runtime.wgmma_fence(acc, acc)
+            for kc in range(4):   # 32 bytes along the rows of A and B^T a k-step
+                runtime.wgmma_ss(acc, sh, descs[0] + uint64(2 * kc), descs[1] + uint64(2 * kc), kc > 0)
+        else:
+            for kc in range(4):
+                frag[kc, 0], frag[kc, 1] = a[r, 8 * kc + t], a[r + 8, 8 * kc + t]
+                frag[kc, 2], frag[kc, 3] = a[r, 8 * kc + t + 4], a[r + 8, 8 * kc + t + 4]
+            runtime.wgmma_fence(acc, frag)
+            for kc in range(4):   # 16 rows of V a k-step
+                runtime.wgmma_rs_t(acc, frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3], sh,
+                                   descs[2] + uint64(128 * kc), kc > 0)
+        runtime.wgmma_commit()
+        runtime.wgmma_wait(acc)
+        d = d_ss if product == 0 else d_rs
+        for j in range(8):
+            d[r, 8 * j + 2 * t], d[r, 8 * j + 2 * t + 1] = acc[j, 0], acc[j, 1]
+            d[r + 8, 8 * j + 2 * t], d[r + 8, 8 * j + 2 * t + 1] = acc[j, 2], acc[j, 3]
+
+
 def _words(m):
     """(R, 2K) float -> (R, K) uint32 of bf16 pairs, the lower column in the low half."""
     bits = bf16_bits(m).astype(np.uint32)
@@ -115,6 +163,40 @@ def test_bf16_conversions_round_to_nearest_even():
     assert np.array_equal(back.copy_to_host(), bf16_values(expected))
 
 
+warpgroup = pytest.mark.skipif(not runtime.SIMULATOR and not (cuda.is_available() and runtime.warpgroup_mma()),
+                               reason="warpgroup products need a Hopper GPU (or the simulator)")
+
+
+@warpgroup
+def test_warpgroup_products_match_numpy():
+    """wgmma's two forms, A and B^T from swizzled shared memory, and A from registers times B stored
+    by rows (transposed), multiply as NumPy does: on a GPU the instructions and the descriptors'
+    layout, under the simulator the twins that decode them."""
+    rng = np.random.default_rng(3)
+    a, bt, v = (bf16_values(bf16_bits(rng.standard_normal((64, 64)))) for _ in range(3))
+    d_ss, d_rs = cuda.device_array((64, 64), np.float32), cuda.device_array((64, 64), np.float32)
+    _warpgroup_tiles[1, 128](*(cuda.to_device(_words(m)) for m in (a, bt, v)), d_ss, d_rs)
+    np.testing.assert_allclose(d_ss.copy_to_host(), a.astype(np.float64) @ bt.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(d_rs.copy_to_host(), a.astype(np.float64) @ v, rtol=1e-5, atol=1e-4)
+
+
+@warpgroup
+def test_warpgroup_attention_forward_matches_the_reference():
+    """The attention forward on warpgroup products (head size 64) against the float64 reference from
+    the same bf16 inputs: two query tiles, the last partly filled, GQA, keys after a cache (S > T)."""
+    from nanoeuler_ops import attention as reference
+    from nanoeuler_ops.cuda import attention
+
+    assert attention.warpgroup_forward(64)
+    rng = np.random.default_rng(4)
+    q, k, v = (bf16_values(bf16_bits(x)) for x in (rng.standard_normal((1, 67, 2, 64)), rng.standard_normal((1, 70, 1, 64)),
+                                                    rng.standard_normal((1, 70, 1, 64))))
+    o, (_, lse) = attention.forward(*(cuda.to_device(bf16_bits(x).view(runtime.BF16)) for x in (q, k, v)))
+    o_ref, (_, lse_ref) = reference.forward(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
+    np.testing.assert_allclose(bf16_values(runtime.to_host(o).view(np.uint16)), o_ref, atol=1e-2)
+    np.testing.assert_allclose(runtime.to_host(lse), lse_ref, rtol=1e-5, atol=1e-5)
+
+
 HOPPER_COMPILE = """
 import sys
 from numba import types
@@ -124,7 +206,8 @@ if not nvvm.is_available():
     sys.exit(77)
 sys.path.insert(0, "tests")
 import test_tensor_cores as t
-from nanoeuler_ops.cuda import attention
+from nanoeuler_ops.cuda import attention, runtime
+runtime.warpgroup_mma = lambda: True   # as on Hopper: head size 64 takes the warpgroup forward
 words, words2, floats2 = types.Array(types.uint32, 1, "C"), types.Array(types.uint32, 2, "C"), types.Array(types.float32, 2, "C")
 kernels = {"one_tile": (t._one_tile, (words2, words2, floats2, floats2)),
            "tile_through_shared": (t._tile_through_shared, (words2, words, types.int64, types.boolean, floats2))}
@@ -132,11 +215,13 @@ for head_size in (48, 64):   # a row of 6 copy chunks (no whole number of rows p
     family = attention.mma_kernels(head_size)
     for name, argtypes in attention.mma_signatures().items():
         kernels[f"attention {name} D{head_size}"] = (getattr(family, name).function, argtypes)
+kernels["warpgroup tiles"] = (t._warpgroup_tiles, (words2,) * 3 + (floats2,) * 2)
 for name, (kernel, argtypes) in kernels.items():
-    compile_ptx(kernel.py_func, argtypes, cc=(9, 0), fastmath=kernel.targetoptions.get("fastmath", False))
+    ptx, _ = compile_ptx(kernel.py_func, argtypes, cc=(9, 0, "a"), fastmath=kernel.targetoptions.get("fastmath", False))
+    assert ("wgmma.mma_async" in ptx) == (name in ("attention forward D64", "warpgroup tiles")), name
     print("compiled", name)
 # the decoding attention as for a GPU that overlaps kernels: it must wait for the kernel ahead of it
-from nanoeuler_ops.cuda import decode_attention, runtime
+from nanoeuler_ops.cuda import decode_attention
 runtime._overlap.append(True)
 flat, ints, i64 = types.Array(types.float32, 1, "C"), types.Array(types.int64, 1, "C"), types.int64
 attend, combine = decode_attention._kernels(64)
@@ -151,8 +236,9 @@ for name, kernel, argtypes in (("attend", attend, (flat,) * 3 + (i64,) * 5 + (in
 def test_tensor_core_kernels_compile_for_hopper():
     """The simulator runs a kernel as Python, so it accepts some that the compiler refuses (a shared
     array sized by an expression), and it never runs the instructions that let kernels overlap.
-    This compiles the tensor-core kernels, the attention family for two head sizes and this file's,
-    and the decoding attention's kernels with their overlap instructions, to sm_90 PTX through NVVM,
+    This compiles the tensor-core kernels, the attention family for two head sizes (64 with the
+    warpgroup forward) and this file's, and the decoding attention's kernels with their overlap
+    instructions, to sm_90a PTX (as Numba builds for Hopper) through NVVM,
     in a process without the simulator: no GPU needed."""
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
     result = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], cwd=os.path.dirname(os.path.dirname(__file__)),
@@ -160,4 +246,4 @@ def test_tensor_core_kernels_compile_for_hopper():
     if result.returncode == 77:
         pytest.skip("no CUDA toolkit (NVVM) on this machine")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 2 + 2 * 3 + 2
+    assert result.stdout.count("compiled") == 2 + 2 * 3 + 1 + 2

@@ -5,7 +5,8 @@ dk/dv), launched the same way (Family.launch):
   SIMT          float32 arithmetic on fp32 or bf16 storage, any head size: each thread computes
                 4 x 4 register tiles of products staged in shared memory (simt_kernels).
   tensor-core   bf16 storage, head size a multiple of 16: each warp multiplies 16-row tiles with
-                mma.sync m16n8k16 (mma_kernels).
+                mma.sync m16n8k16 (mma_kernels); on Hopper the forward for head size 64 multiplies
+                with the block's four warps together, by wgmma from swizzled shared memory.
 `forward` and `backward` below take the tensor-core family where it serves the inputs, else the SIMT one.
 
 In both, no (T, S) matrix is ever stored: a thread block keeps a tile of query rows (or keys) and
@@ -610,10 +611,10 @@ def mma_kernels(D: int) -> FlashKernels:
         return i32(row), row * u32(WS) + col, u64(row) * stride + u64(col)
 
     @cuda.jit(device=True, inline=True)
-    def fetch_tiles(sh, sb, base, x, y, start, stride, plan, row0, n_rows, pair=True):
-        # start copying rows row0 .. row0 + 63 of x to sh[base + r WS + w], and (with pair) of y to the
-        # tile after it (x and y laid out alike: rows from `start`, `stride` words apart); zeros from
-        # row n_rows on
+    def fetch_tiles(sh, sb, base, x, y, start, stride, plan, row0, n_rows, pair=True, row_words=WS, tile_words=TILE_WORDS):
+        # start copying rows row0 .. row0 + 63 of x to the tile at sh[base] (row r at base + r row_words,
+        # where the plan puts it), and (with pair) of y to the tile tile_words after it (x and y laid out
+        # alike: rows from `start`, `stride` words apart); zeros from row n_rows on
         plan_row, plan_at, plan_offset = plan
         tile = start + u64(row0) * stride + plan_offset
         rows_left = i32(n_rows - row0) - plan_row
@@ -624,10 +625,10 @@ def mma_kernels(D: int) -> FlashKernels:
                     ((n + 1) * COPY_ROWS <= MMA_ROWS or plan_row + n * COPY_ROWS < MMA_ROWS):
                 valid = i32(n * COPY_ROWS) < rows_left
                 j = tile + u64(n * COPY_ROWS) * stride if valid else start   # an address in bounds either way
-                at = base + plan_at + u32(n * COPY_ROWS * WS)
+                at = base + plan_at + u32(n * COPY_ROWS * row_words)
                 runtime.cp_async_16(sh, sb, at, x, j, valid)
                 if pair:
-                    runtime.cp_async_16(sh, sb, at + u32(TILE_WORDS), y, j, valid)
+                    runtime.cp_async_16(sh, sb, at + u32(tile_words), y, j, valid)
 
     @cuda.jit(device=True, inline=True)
     def load_fragments(frag, src, b, r0, n_rows, head, heads, g, t):
@@ -684,15 +685,20 @@ def mma_kernels(D: int) -> FlashKernels:
                 mma(acc, n + 1, frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3], b[2], b[3])
 
     @cuda.jit(device=True, inline=True)
+    def row_fragment(scores, kc):
+        # the A fragment (bf16) of k-step kc of a product over a tile's rows, from the float32
+        # accumulators `scores` (16 x 64) of a product that made them: its n-tiles 2 kc and 2 kc + 1
+        return (pack_bf16x2(scores[2 * kc, 0], scores[2 * kc, 1]), pack_bf16x2(scores[2 * kc, 2], scores[2 * kc, 3]),
+                pack_bf16x2(scores[2 * kc + 1, 0], scores[2 * kc + 1, 1]),
+                pack_bf16x2(scores[2 * kc + 1, 2], scores[2 * kc + 1, 3]))
+
+    @cuda.jit(device=True, inline=True)
     def mma_over_rows(acc, scores, sh, sb, base, lane):
         # acc[dn] += (A = scores, 16 x 64 float32 accumulators, rounded to bf16) x (B = the tile's 64
         # rows over head dims 8dn .. 8dn+7); one ldmatrix.trans gives the B fragments of dn and dn + 1
         lane_base = base + u32((lane % 8 + 8 * (lane // 8 % 2)) * WS + 4 * (lane // 16))
         for kc in range(KR):
-            a0 = pack_bf16x2(scores[2 * kc, 0], scores[2 * kc, 1])
-            a1 = pack_bf16x2(scores[2 * kc, 2], scores[2 * kc, 3])
-            a2 = pack_bf16x2(scores[2 * kc + 1, 0], scores[2 * kc + 1, 1])
-            a3 = pack_bf16x2(scores[2 * kc + 1, 2], scores[2 * kc + 1, 3])
+            a0, a1, a2, a3 = row_fragment(scores, kc)
             for dn in range(0, ND, 2):
                 b = runtime.ldmatrix_x4_trans(sh, sb, lane_base + u32(16 * kc * WS + 4 * dn))
                 mma(acc, dn, a0, a1, a2, a3, b[0], b[1])
@@ -710,6 +716,51 @@ def mma_kernels(D: int) -> FlashKernels:
                     scores[n, c] = f32(MASKED)
                 if col < first_b or col > last_b:
                     scores[n, c + 2] = f32(MASKED)
+
+    @cuda.jit(device=True, inline=True)
+    def online_softmax(scores, acc, top_a, top_b, sum_a, sum_b, scale2):
+        # one key tile of the online softmax for rows g and g + 8: the running maxima (unscaled
+        # scores) and this lane's shares of the running sums are updated, acc (the output so far) is
+        # rescaled to the new maxima and the scores become exp2(scale2 (score - max)); returns
+        # (top_a, top_b, sum_a, sum_b)
+        tile_a, tile_b = f32(MASKED), f32(MASKED)
+        for n in range(NR):
+            for c in range(2):
+                tile_a = max(tile_a, scores[n, c])
+                tile_b = max(tile_b, scores[n, c + 2])
+        new_a, new_b = max(top_a, quad_max(tile_a)), max(top_b, quad_max(tile_b))
+        rescale_a, rescale_b = math.exp2((top_a - new_a) * scale2), math.exp2((top_b - new_b) * scale2)
+        sum_a *= rescale_a
+        sum_b *= rescale_b
+        for dn in range(ND):
+            acc[dn, 0] *= rescale_a
+            acc[dn, 1] *= rescale_a
+            acc[dn, 2] *= rescale_b
+            acc[dn, 3] *= rescale_b
+        shift_a, shift_b = new_a * scale2, new_b * scale2
+        for n in range(NR):
+            for c in range(2):
+                scores[n, c] = math.exp2(scores[n, c] * scale2 - shift_a)
+                scores[n, c + 2] = math.exp2(scores[n, c + 2] * scale2 - shift_b)
+                sum_a += scores[n, c]
+                sum_b += scores[n, c + 2]
+        return new_a, new_b, sum_a, sum_b
+
+    @cuda.jit(device=True, inline=True)
+    def finish_rows(o, lse, acc, top_a, top_b, sum_a, sum_b, scale, b, h, r0, T, H, g, t):
+        # the forward's end for rows r0 + g and r0 + g + 8: lse, and o = acc / the rows' sums
+        sum_a, sum_b = quad_sum(sum_a), quad_sum(sum_b)
+        if t == 0:
+            if r0 + g < T:
+                lse[b, h, r0 + g] = top_a * scale + math.log(sum_a)
+            if r0 + g + 8 < T:
+                lse[b, h, r0 + g + 8] = top_b * scale + math.log(sum_b)
+        for dn in range(ND):
+            acc[dn, 0] /= sum_a
+            acc[dn, 1] /= sum_a
+            acc[dn, 2] /= sum_b
+            acc[dn, 3] /= sum_b
+        store_rows(o, acc, f32(1.0), b, r0, T, h, H, g, t)
 
     # forward stage: k, v
     FWD_STAGE = 2 * TILE_WORDS
@@ -756,41 +807,83 @@ def mma_kernels(D: int) -> FlashKernels:
             mma_over_dims(scores, q_frag, sh, sb, stage, lane)
             if s0 + MMA_ROWS - 1 > diagonal:
                 mask_outside(scores, i32(-1), i32(last_a - s0 - 2 * t), i32(-1), i32(last_b - s0 - 2 * t))
-            tile_a, tile_b = f32(MASKED), f32(MASKED)
-            for n in range(NR):
-                for c in range(2):
-                    tile_a = max(tile_a, scores[n, c])
-                    tile_b = max(tile_b, scores[n, c + 2])
-            new_a, new_b = max(top_a, quad_max(tile_a)), max(top_b, quad_max(tile_b))
-            rescale_a, rescale_b = math.exp2((top_a - new_a) * scale2), math.exp2((top_b - new_b) * scale2)
-            top_a, top_b = new_a, new_b
-            sum_a *= rescale_a
-            sum_b *= rescale_b
-            for dn in range(ND):
-                acc[dn, 0] *= rescale_a
-                acc[dn, 1] *= rescale_a
-                acc[dn, 2] *= rescale_b
-                acc[dn, 3] *= rescale_b
-            shift_a, shift_b = top_a * scale2, top_b * scale2
-            for n in range(NR):
-                for c in range(2):
-                    scores[n, c] = math.exp2(scores[n, c] * scale2 - shift_a)
-                    scores[n, c + 2] = math.exp2(scores[n, c + 2] * scale2 - shift_b)
-                    sum_a += scores[n, c]
-                    sum_b += scores[n, c + 2]
+            top_a, top_b, sum_a, sum_b = online_softmax(scores, acc, top_a, top_b, sum_a, sum_b, scale2)
             mma_over_rows(acc, scores, sh, sb, stage + u32(TILE_WORDS), lane)
-        sum_a, sum_b = quad_sum(sum_a), quad_sum(sum_b)
-        if t == 0:
-            if r0 + g < T:
-                lse[b, h, r0 + g] = top_a * scale + math.log(sum_a)
-            if r0 + g + 8 < T:
-                lse[b, h, r0 + g + 8] = top_b * scale + math.log(sum_b)
-        for dn in range(ND):
-            acc[dn, 0] /= sum_a
-            acc[dn, 1] /= sum_a
-            acc[dn, 2] /= sum_b
-            acc[dn, 3] /= sum_b
-        store_rows(o, acc, f32(1.0), b, r0, T, h, H, g, t)
+        finish_rows(o, lse, acc, top_a, top_b, sum_a, sum_b, scale, b, h, r0, T, H, g, t)
+
+
+    # ---- the forward on Hopper's warpgroup products (head size 64; runtime's wgmma_*): the same
+    # blocking and online softmax, Q K^T with both operands in shared memory, P V with P in registers.
+    # Tiles are stored unpadded in the 128-byte swizzle (a row is 128 bytes), from a 1024-byte
+    # aligned word of the buffer: the query tile, then two stages of k and v.
+    WG_TILE = MMA_ROWS * W                      # words of a swizzled tile
+    WG_SLACK = 256                              # words the first aligned word may lie past the buffer's start
+    WG_GROUP = 8 * 4 * W                        # bytes between groups of 8 rows
+
+    @cuda.jit(device=True, inline=True)
+    def swizzled_plan(stride, tid):
+        # copy_plan for a swizzled tile: 16-byte chunk c of row r goes to chunk c ^ (r % 8); the rows a
+        # thread copies are COPY_ROWS (a multiple of 8) apart, so one plan serves them all
+        row, chunk = u32(tid) // u32(CHUNKS_PER_ROW), u32(tid) % u32(CHUNKS_PER_ROW)
+        return i32(row), row * u32(W) + u32(4) * (chunk ^ (row % u32(8))), u64(row) * stride + u64(4 * chunk)
+
+    @cuda.jit(**_mma_options(MMA_MAX_REGISTERS[0]))
+    def wgmma_forward_kernel(q, k, v, T, S, H, KV, scale, o, lse):
+        # as mma_forward_kernel: grid (B * H, T / 64), 128 threads (one warpgroup), 16 query rows a warp
+        b, h = block_head(H)
+        kv = h // (u32(H) // u32(KV))
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * MMA_ROWS
+        r0 = t0 + 16 * warp
+        sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
+        sb = runtime.shared_base(sh)
+        q_at = ((u32(1024) - (sb & u32(1023))) & u32(1023)) >> u32(2)
+        kv_at = q_at + u32(WG_TILE)
+        scores = cuda.local.array((NR, 4), float32)
+        acc = cuda.local.array((ND, 4), float32)
+        probs = cuda.local.array((KR, 4), uint32)
+        kv_start, kv_stride = rows_of(b, S, kv, KV)
+        plan = swizzled_plan(kv_stride, tid)
+        fetch_tiles(sh, sb, kv_at, k, v, kv_start, kv_stride, plan, 0, S, True, W, WG_TILE)
+        q_start, q_stride = rows_of(b, T, h, H)
+        fetch_tiles(sh, sb, q_at, q, q, q_start, q_stride, swizzled_plan(q_stride, tid), t0, T, False, W, WG_TILE)
+        q_desc = runtime.smem_descriptor(sb + u32(4) * q_at, u32(WG_GROUP))
+        _zero(acc)
+        scale2 = scale * f32(LOG2E)
+        top_a, top_b = f32(MASKED), f32(MASKED)
+        sum_a, sum_b = f32(0.0), f32(0.0)
+        last_a, last_b = min((S - T) + r0 + g, S - 1), min((S - T) + r0 + g + 8, S - 1)
+        diagonal = (S - T) + t0
+        keys_end = min(S, diagonal + MMA_ROWS)
+        for s0 in range(0, keys_end, MMA_ROWS):
+            stage = u32(u32(s0) // u32(MMA_ROWS) % u32(2) * u32(2 * WG_TILE))
+            runtime.cp_async_wait_all()
+            runtime.proxy_fence()   # the copies' writes, visible to the tensor cores
+            cuda.syncthreads()      # this stage has landed; every warp's products of the other are done
+            if s0 + MMA_ROWS < keys_end:
+                fetch_tiles(sh, sb, kv_at + u32(2 * WG_TILE) - stage, k, v, kv_start, kv_stride, plan, s0 + MMA_ROWS,
+                            S, True, W, WG_TILE)
+            k_desc = runtime.smem_descriptor(sb + u32(4) * (kv_at + stage), u32(WG_GROUP))
+            v_desc = runtime.smem_descriptor(sb + u32(4) * (kv_at + stage + u32(WG_TILE)), u32(WG_GROUP))
+            runtime.wgmma_fence(scores, scores)
+            for kc in range(KD):   # k-step kc: 32 bytes along the rows of q and k
+                runtime.wgmma_ss(scores, sh, q_desc + u64(2 * kc), k_desc + u64(2 * kc), kc > 0)
+            runtime.wgmma_commit()
+            runtime.wgmma_wait(scores)
+            if s0 + MMA_ROWS - 1 > diagonal:
+                mask_outside(scores, i32(-1), i32(last_a - s0 - 2 * t), i32(-1), i32(last_b - s0 - 2 * t))
+            top_a, top_b, sum_a, sum_b = online_softmax(scores, acc, top_a, top_b, sum_a, sum_b, scale2)
+            for kc in range(KR):
+                probs[kc, 0], probs[kc, 1], probs[kc, 2], probs[kc, 3] = row_fragment(scores, kc)
+            runtime.wgmma_fence(acc, probs)
+            for kc in range(KR):   # k-step kc: 16 rows of v, two groups of 8
+                runtime.wgmma_rs_t(acc, probs[kc, 0], probs[kc, 1], probs[kc, 2], probs[kc, 3], sh,
+                                   v_desc + u64(2 * WG_GROUP // 16 * kc), True)
+            runtime.wgmma_commit()
+            runtime.wgmma_wait(acc)
+        finish_rows(o, lse, acc, top_a, top_b, sum_a, sum_b, scale, b, h, r0, T, H, g, t)
 
     # dq stage: k, v
     DQ_STAGE = 2 * TILE_WORDS
@@ -944,8 +1037,15 @@ def mma_kernels(D: int) -> FlashKernels:
         store_rows(dk, dk_acc, scale, b, k0, S, kv, KV, g, t)
         store_rows(dv, dv_acc, f32(1.0), b, k0, S, kv, KV, g, t)
 
-    return FlashKernels(Kernel(mma_forward_kernel, 8 * FWD_STAGE), Kernel(mma_dq_kernel, 8 * DQ_STAGE),
-                        Kernel(mma_dkdv_kernel, 8 * KV_STAGE))
+    forward = Kernel(wgmma_forward_kernel, 4 * (WG_SLACK + 5 * WG_TILE)) if warpgroup_forward(D) else \
+        Kernel(mma_forward_kernel, 8 * FWD_STAGE)
+    return FlashKernels(forward, Kernel(mma_dq_kernel, 8 * DQ_STAGE), Kernel(mma_dkdv_kernel, 8 * KV_STAGE))
+
+
+def warpgroup_forward(D: int) -> bool:
+    """Whether the tensor-core forward for head size D runs on warpgroup products: D = 64 on Hopper
+    (and under the simulator, which runs their twins)."""
+    return D == 64 and runtime.warpgroup_mma()
 
 
 def _words(x):

@@ -557,6 +557,12 @@ def compute_capability() -> tuple[int, int]:
     return tuple(cuda.get_current_device().compute_capability)
 
 
+def warpgroup_mma() -> bool:
+    """Whether kernels may use the warpgroup products (wgmma_*, below): Hopper (compute capability
+    9.0, whose code Numba builds for sm_90a), or the simulator, which runs their twins."""
+    return SIMULATOR or compute_capability() == (9, 0)
+
+
 # ---------------------------------------------------------------- overlapping kernels
 # Programmatic dependent launch (compute capability 9.0 and later). A kernel launched with
 # `launch(..., overlap=True)` may be scheduled while the kernel ahead of it on the stream still
@@ -899,3 +905,162 @@ else:
 
     ldmatrix_x4 = _ldmatrix(False)
     ldmatrix_x4_trans = _ldmatrix(True)
+
+
+# ---------------------------------------------------------------- warpgroup tensor cores (Hopper)
+# wgmma.mma_async m64n64k16 (sm_90a): the block's four warps (a warpgroup) compute D (64 x 64, float32)
+# = A (64 x 16) B (16 x 64) + D in bf16, B and optionally A read by the tensor cores from shared memory.
+#   wgmma_ss(acc, sh, desc_a, desc_b, accumulate): A and B both from shared memory, each stored with
+#       its k contiguous (A row by row, B column by column: a tile of keys row by row is B for Q K^T).
+#   wgmma_rs_t(acc, a0, a1, a2, a3, sh, desc_b, accumulate): A from registers, as mma_bf16's A
+#       fragments of the warp's 16 rows; B from shared memory with its n contiguous (a tile of values
+#       row by row is B for P V).
+# acc is a (8, 4) float32 register tile of the warp's 16 rows in mma_bf16's C layout, n-tile by
+# n-tile: acc[j] = mma_bf16's c0..c3 for columns 8j .. 8j+7; without `accumulate` the old acc is
+# ignored. Warp w of the group owns rows 16w .. 16w+15. A descriptor (smem_descriptor) names a tile
+# in the 128-byte swizzle: rows of 128 bytes (64 bf16) in groups of 8 rows (1024 bytes, the group
+# 1024-byte aligned), the 16-byte chunk c of row r stored at chunk c ^ (r % 8). Adding 2 to a
+# descriptor moves it 32 bytes (the next k-step within a row), 64 moves it 8 rows.
+# The products run asynchronously: wgmma_fence(acc, frag) before the first product that touches
+# registers written since (the accumulators, and frag, the registers given as A: acc where none are),
+# wgmma_commit() after a batch, and
+# wgmma_wait(acc) before the accumulators are read; the fence and the wait pass acc through, so the
+# compiler cannot move its reads and writes across them. Shared memory written by cp.async must be
+# made visible to the tensor cores by proxy_fence() in the writing threads before the barrier.
+# The simulator twins decode the descriptors and read the same elements through the same swizzle.
+
+
+@cuda.jit(device=True, inline=True)
+def smem_descriptor(address, group_bytes):
+    """The wgmma descriptor of a tile at shared-window address `address` (bytes) in the 128-byte
+    swizzle, groups of 8 rows `group_bytes` apart."""
+    return (uint64(address & uint32(0x3FFFF)) >> uint64(4)) | (uint64(1) << uint64(16)) | \
+        (uint64(group_bytes >> 4) << uint64(32)) | (uint64(1) << uint64(62))
+
+
+if SIMULATOR:
+    def _swizzled_values(sh, desc, i, j):
+        # the bf16 values of elements (i, j) of the tile `desc` names: i counts 128-byte rows, j bf16 along one
+        start = int(desc & 0x3FFF) << 4
+        group = int((desc >> 32) & 0x3FFF) << 4
+        byte = start + (i // 8) * group + (i % 8) * 128 + 2 * j
+        byte = byte ^ (((byte >> 7) & 7) << 4)
+        words = sh[byte >> 2].astype(np.uint32)
+        return bf16_values(((words >> (16 * ((byte >> 1) & 1)).astype(np.uint32)) & 0xFFFF)).astype(np.float64)
+
+    @cuda.jit(device=True)
+    def _warpgroup_product(acc, a, b, accumulate):
+        # acc <- a (the warp's 16 rows) @ b (+ acc): this lane's elements
+        lane = cuda.threadIdx.x % WARP
+        g, t = lane // 4, lane % 4
+        cols = 8 * np.arange(8)[:, None] + 2 * t + np.arange(2)[None, :]   # (n-tile, pair)
+        d = a[[g, g + 8]] @ b   # (2, 64)
+        for j in range(8):
+            for c in range(4):
+                value = d[c // 2, cols[j, c % 2]] + (acc[j, c] if accumulate else 0.0)
+                acc[j, c] = np.float32(value)
+
+    @cuda.jit(device=True)
+    def wgmma_ss(acc, sh, desc_a, desc_b, accumulate):
+        warp = cuda.threadIdx.x // WARP % 4
+        rows, k = np.arange(16 * warp, 16 * warp + 16)[:, None], np.arange(16)[None, :]
+        a = _swizzled_values(sh, desc_a, rows, k)                                   # (16, 16)
+        b = _swizzled_values(sh, desc_b, np.arange(64)[None, :], np.arange(16)[:, None])   # (k 16, n 64)
+        _warpgroup_product(acc, a, b, accumulate)
+
+    @cuda.jit(device=True)
+    def wgmma_rs_t(acc, a0, a1, a2, a3, sh, desc_b, accumulate):
+        words = simulated_lanes((a0, a1, a2, a3), WARP).astype(np.uint32)   # (32 lanes, 4 registers)
+        halves = np.stack([bf16_values(words & np.uint32(0xFFFF)), bf16_values(words >> np.uint32(16))])
+        a = halves[_A_HALF, _A_LANE, _A_REG].astype(np.float64)
+        b = _swizzled_values(sh, desc_b, np.arange(16)[:, None], np.arange(64)[None, :])   # (k 16, n 64)
+        _warpgroup_product(acc, a, b, accumulate)
+
+    def wgmma_fence(acc, frag):
+        pass
+
+    def wgmma_commit():
+        pass
+
+    def wgmma_wait(acc):
+        pass
+
+    def proxy_fence():
+        pass
+else:
+    def _tied(builder, text, operand_types, operand_constraints, operands, arrays):
+        # `text` with its other operands first ($0.. after the tied registers are counted: the
+        # outputs come first), then every element of each (pointer, count, type, letter) in `arrays`
+        # read and rewritten in place: outputs $0.., the operands, then the inputs tied to the outputs
+        tied_types, letters, pointers = [], [], []
+        for pointer, count, kind, letter in arrays:
+            for i in range(count):
+                pointers.append(builder.gep(pointer, [ir.Constant(ir.IntType(32), i)]))
+                tied_types.append(kind)
+                letters.append(letter)
+        constraints = ",".join([f"={c}" for c in letters] + operand_constraints + [str(i) for i in range(len(letters))])
+        asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType(tied_types), operand_types + tied_types),
+                           text, constraints + ",~{memory}", side_effect=True)
+        result = builder.call(asm, operands + [builder.load(pointer) for pointer in pointers])
+        for i, pointer in enumerate(pointers):
+            builder.store(builder.extract_value(result, i), pointer)
+
+    _ACC = 32   # accumulator registers a thread holds
+    _D = "{" + ",".join(f"${i}" for i in range(_ACC)) + "}"
+    _SHAPE = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
+    _I32, _I64 = ir.IntType(32), ir.IntType(64)
+
+    def _acc(context, builder, sig, args):
+        return (_data(context, builder, sig.args[0], args[0]), _ACC, ir.FloatType(), "f")
+
+    @intrinsic
+    def wgmma_ss(typingctx, acc, sh, desc_a, desc_b, accumulate):
+        sig = types.void(acc, sh, types.uint64, types.uint64, types.boolean)
+
+        def codegen(context, builder, sig, args):
+            text = "{ .reg .pred p; setp.ne.b32 p, $34, 0; " + _SHAPE + f" {_D}, $32, $33, p, 1, 1, 0, 0; }}"
+            _tied(builder, text, [_I64, _I64, _I32], ["l", "l", "r"], [args[2], args[3], builder.zext(args[4], _I32)],
+                  [_acc(context, builder, sig, args)])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def wgmma_rs_t(typingctx, acc, a0, a1, a2, a3, sh, desc_b, accumulate):
+        sig = types.void(acc, *([types.uint32] * 4), sh, types.uint64, types.boolean)
+
+        def codegen(context, builder, sig, args):
+            text = "{ .reg .pred p; setp.ne.b32 p, $37, 0; " + _SHAPE + f" {_D}, {{$32,$33,$34,$35}}, $36, p, 1, 1, 1; }}"
+            _tied(builder, text, [_I32] * 4 + [_I64, _I32], ["r"] * 4 + ["l", "r"],
+                  [*args[1:5], args[6], builder.zext(args[7], _I32)], [_acc(context, builder, sig, args)])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def wgmma_fence(typingctx, acc, frag):
+        """(frag: a (4, 4) uint32 array of A fragments the next products read, or acc again if none)"""
+        def codegen(context, builder, sig, args):
+            arrays = [_acc(context, builder, sig, args)]
+            if sig.args[1].dtype == types.uint32:
+                arrays.append((_data(context, builder, sig.args[1], args[1]), 16, _I32, "r"))
+            _tied(builder, "wgmma.fence.sync.aligned;", [], [], [], arrays)
+            return context.get_dummy_value()
+        return types.void(acc, frag), codegen
+
+    @intrinsic
+    def wgmma_wait(typingctx, acc):
+        def codegen(context, builder, sig, args):
+            _tied(builder, "wgmma.wait_group.sync.aligned 0;", [], [], [], [_acc(context, builder, sig, args)])
+            return context.get_dummy_value()
+        return types.void(acc), codegen
+
+    def _plain(text):
+        @intrinsic
+        def instruction(typingctx):
+            def codegen(context, builder, sig, args):
+                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return instruction
+
+    wgmma_commit = _plain("wgmma.commit_group.sync.aligned;")
+    proxy_fence = _plain("fence.proxy.async.shared::cta;")
