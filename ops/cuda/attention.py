@@ -598,6 +598,17 @@ def mma_kernels(D: int) -> FlashKernels:
         return b, bh - b * n
 
     @cuda.jit(device=True, inline=True)
+    def query_block(H, KV):
+        # the forward's and dq's block: its batch row b, query head h and key/value head kv; the
+        # thread, its warp and lane (g, t); the block's first query row t0 (the last rows, with the
+        # most keys, start first) and its warp's r0
+        b, h = block_head(H)
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * MMA_ROWS
+        return b, h, h // (u32(H) // u32(KV)), tid, warp, lane, lane // 4, lane % 4, t0, t0 + 16 * warp
+
+    @cuda.jit(device=True, inline=True)
     def rows_of(b, n_rows, head, heads):
         # where rows of (b, head) start in a flat tensor, and the words from one row to the next
         return u64((b * n_rows) * heads + head) * u64(W), u64(heads * W)
@@ -769,13 +780,7 @@ def mma_kernels(D: int) -> FlashKernels:
     def mma_forward_kernel(q, k, v, T, S, H, KV, scale, o, lse):
         # q, o (B*T*H*D/2,) and k, v (B*S*KV*D/2,) words of bf16 pairs, lse (B, H, T) float32;
         # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step
-        b, h = block_head(H)
-        kv = h // (u32(H) // u32(KV))
-        tid = cuda.threadIdx.x
-        warp, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
-        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * MMA_ROWS   # the last rows, with the most keys, start first
-        r0 = t0 + 16 * warp
+        b, h, kv, tid, warp, lane, g, t, t0, r0 = query_block(H, KV)
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
         sb = runtime.shared_base(sh)
         q_frag = cuda.local.array((KD, 4), uint32)
@@ -830,13 +835,7 @@ def mma_kernels(D: int) -> FlashKernels:
     @cuda.jit(**_mma_options(MMA_MAX_REGISTERS[0]))
     def wgmma_forward_kernel(q, k, v, T, S, H, KV, scale, o, lse):
         # as mma_forward_kernel: grid (B * H, T / 64), 128 threads (one warpgroup), 16 query rows a warp
-        b, h = block_head(H)
-        kv = h // (u32(H) // u32(KV))
-        tid = cuda.threadIdx.x
-        warp, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
-        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * MMA_ROWS
-        r0 = t0 + 16 * warp
+        b, h, kv, tid, warp, lane, g, t, t0, r0 = query_block(H, KV)
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
         sb = runtime.shared_base(sh)
         q_at = ((u32(1024) - (sb & u32(1023))) & u32(1023)) >> u32(2)
@@ -893,13 +892,7 @@ def mma_kernels(D: int) -> FlashKernels:
         # do, q, o, dq (B*T*H*D/2,) and k, v (B*S*KV*D/2,) words of bf16 pairs, lse, di (B, H, T) float32;
         # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step.
         # Di = rowsum(do * o), the FlashAttention-2 backward's correction, is written for the dk/dv kernel.
-        b, h = block_head(H)
-        kv = h // (u32(H) // u32(KV))
-        tid = cuda.threadIdx.x
-        warp, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
-        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * MMA_ROWS
-        r0 = t0 + 16 * warp
+        b, h, kv, tid, warp, lane, g, t, t0, r0 = query_block(H, KV)
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
         sb = runtime.shared_base(sh)
         q_frag = cuda.local.array((KD, 4), uint32)

@@ -44,32 +44,36 @@ def _pair(p, half):
 
 
 @cuda.jit(device=True, inline=True)
-def _rotated(u1, u2, c, s):
-    return u1 * c - u2 * s, u2 * c + u1 * s
+def _row(T, H, KV, D, start_pos):
+    # the sizes in 32 bits, half of D, the heads of a row of qkv, and the block's row bt and position
+    H, KV, D = uint32(H), uint32(KV), uint32(D)
+    bt = uint32(cuda.blockIdx.x)
+    return H, KV, D, D // uint32(2), H + uint32(2) * KV, uint64(bt), uint64(start_pos) + uint64(bt % uint32(T))
+
+
+@cuda.jit(device=True, inline=True)
+def _rotated_pair(pairs, p, half, rotated_heads):
+    # (head, j) of this thread's pair p and its halves, rotated by its angle in a head below rotated_heads
+    head, j = _pair(p, half)
+    u1, u2, c, s = pairs[0, p], pairs[1, p], pairs[2, p], pairs[3, p]
+    if head < rotated_heads:
+        return head, j, u1 * c - u2 * s, u2 * c + u1 * s
+    return head, j, u1, u2
 
 
 @cuda.jit(cache=True)
 def _split(qkv, T, H, KV, D, cos, sin, start_pos, q, k, v):
     # qkv (B*T*(H + 2 KV)*D,), cos/sin (L, D/2) -> q (B*T*H*D,), k, v (B*T*KV*D,): q and k heads rotated, v copied
-    H, KV, D = uint32(H), uint32(KV), uint32(D)
-    half, heads = D // uint32(2), H + uint32(2) * KV
-    row = uint64(cuda.blockIdx.x)
-    position = uint64(start_pos) + uint64(uint32(cuda.blockIdx.x) % uint32(T))
-    u1s = cuda.local.array(PAIRS, float32)
-    u2s = cuda.local.array(PAIRS, float32)
-    cs = cuda.local.array(PAIRS, float32)
-    ss = cuda.local.array(PAIRS, float32)
+    H, KV, D, half, heads, row, position = _row(T, H, KV, D, start_pos)
+    pairs = cuda.local.array((4, PAIRS), float32)   # each pair's halves u1, u2 and its angle's cos, sin
     for p in range(PAIRS):
         head, j = _pair(p, half)
         if head < heads:
             src = row * uint64(heads * D) + uint64(head * D + j)
-            u1s[p], u2s[p] = to_f32(qkv[src]), to_f32(qkv[src + uint64(half)])
-            cs[p], ss[p] = cos[position, uint64(j)], sin[position, uint64(j)]
+            pairs[0, p], pairs[1, p] = to_f32(qkv[src]), to_f32(qkv[src + uint64(half)])
+            pairs[2, p], pairs[3, p] = cos[position, uint64(j)], sin[position, uint64(j)]
     for p in range(PAIRS):
-        head, j = _pair(p, half)
-        u1, u2 = u1s[p], u2s[p]
-        if head < H + KV:
-            u1, u2 = _rotated(u1, u2, cs[p], ss[p])
+        head, j, u1, u2 = _rotated_pair(pairs, p, half, H + KV)
         if head < H:
             dst = row * uint64(H * D) + uint64(head * D + j)
             q[dst], q[dst + uint64(half)] = stored(q, u1), stored(q, u2)
@@ -84,32 +88,23 @@ def _split(qkv, T, H, KV, D, cos, sin, start_pos, q, k, v):
 @cuda.jit(cache=True)
 def _gather(dq, dk, dv, T, H, KV, D, cos, sin, start_pos, dqkv):
     # dq (B*T*H*D,), dk, dv (B*T*KV*D,) -> dqkv (B*T*(H + 2 KV)*D,): dq and dk rotated back
-    H, KV, D = uint32(H), uint32(KV), uint32(D)
-    half, heads = D // uint32(2), H + uint32(2) * KV
-    row = uint64(cuda.blockIdx.x)
-    position = uint64(start_pos) + uint64(uint32(cuda.blockIdx.x) % uint32(T))
-    u1s = cuda.local.array(PAIRS, float32)
-    u2s = cuda.local.array(PAIRS, float32)
-    cs = cuda.local.array(PAIRS, float32)
-    ss = cuda.local.array(PAIRS, float32)
+    H, KV, D, half, heads, row, position = _row(T, H, KV, D, start_pos)
+    pairs = cuda.local.array((4, PAIRS), float32)   # each pair's halves u1, u2 and its angle's cos, sin
     for p in range(PAIRS):
         head, j = _pair(p, half)
         if head < H:
             src = row * uint64(H * D) + uint64(head * D + j)
-            u1s[p], u2s[p] = to_f32(dq[src]), to_f32(dq[src + uint64(half)])
+            pairs[0, p], pairs[1, p] = to_f32(dq[src]), to_f32(dq[src + uint64(half)])
         elif head < H + KV:
             src = row * uint64(KV * D) + uint64((head - H) * D + j)
-            u1s[p], u2s[p] = to_f32(dk[src]), to_f32(dk[src + uint64(half)])
+            pairs[0, p], pairs[1, p] = to_f32(dk[src]), to_f32(dk[src + uint64(half)])
         elif head < heads:
             src = row * uint64(KV * D) + uint64((head - H - KV) * D + j)
-            u1s[p], u2s[p] = to_f32(dv[src]), to_f32(dv[src + uint64(half)])
+            pairs[0, p], pairs[1, p] = to_f32(dv[src]), to_f32(dv[src + uint64(half)])
         if head < heads:
-            cs[p], ss[p] = cos[position, uint64(j)], -sin[position, uint64(j)]
+            pairs[2, p], pairs[3, p] = cos[position, uint64(j)], -sin[position, uint64(j)]
     for p in range(PAIRS):
-        head, j = _pair(p, half)
-        u1, u2 = u1s[p], u2s[p]
-        if head < H + KV:
-            u1, u2 = _rotated(u1, u2, cs[p], ss[p])
+        head, j, u1, u2 = _rotated_pair(pairs, p, half, H + KV)
         if head < heads:
             dst = row * uint64(heads * D) + uint64(head * D + j)
             dqkv[dst], dqkv[dst + uint64(half)] = stored(dqkv, u1), stored(dqkv, u2)

@@ -29,17 +29,23 @@ def _first_column():
     return cuda.blockIdx.y * (THREADS * ELEMENTS) + cuda.threadIdx.x
 
 
+@cuda.jit(device=True, inline=True)
+def _load_gates_ups(x, row, first, F, gates, ups):
+    # gates[k], ups[k] <- the gate and up inputs of this thread's columns of the row (x (N * 2F,))
+    for k in range(ELEMENTS):
+        j = first + k * THREADS
+        if j < F:
+            gate = row * uint64(2 * F) + uint64(j)
+            gates[k], ups[k] = to_f32(x[gate]), to_f32(x[gate + uint64(F)])
+
+
 @cuda.jit(cache=True)
 def _forward(x, y, F):
     # x (N * 2F,) = rows [gate | up], y (N * F,); grid (N, F / (THREADS * ELEMENTS))
     row, first = uint64(cuda.blockIdx.x), _first_column()
     gates = cuda.local.array(ELEMENTS, float32)
     ups = cuda.local.array(ELEMENTS, float32)
-    for k in range(ELEMENTS):
-        j = first + k * THREADS
-        if j < F:
-            gate = row * uint64(2 * F) + uint64(j)
-            gates[k], ups[k] = to_f32(x[gate]), to_f32(x[gate + uint64(F)])
+    _load_gates_ups(x, row, first, F, gates, ups)
     for k in range(ELEMENTS):
         j = first + k * THREADS
         if j < F:
@@ -54,11 +60,10 @@ def _backward(dy, x, F, dx):
     gates = cuda.local.array(ELEMENTS, float32)
     ups = cuda.local.array(ELEMENTS, float32)
     grads = cuda.local.array(ELEMENTS, float32)
+    _load_gates_ups(x, row, first, F, gates, ups)
     for k in range(ELEMENTS):
         j = first + k * THREADS
         if j < F:
-            gate = row * uint64(2 * F) + uint64(j)
-            gates[k], ups[k] = to_f32(x[gate]), to_f32(x[gate + uint64(F)])
             grads[k] = to_f32(dy[row * uint64(F) + uint64(j)])
     for k in range(ELEMENTS):
         j = first + k * THREADS
