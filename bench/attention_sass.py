@@ -1,9 +1,10 @@
 """The instruction mix of the tensor-core attention kernels: for the forward, dq and dk/dv kernels
-compiled for one head size and Hopper (sm_90), the registers each takes, then the number of SASS
-instructions of each opcode, over the whole kernel and over its main loop (the body of the loop that
-streams tiles, the unrolled code run once per tile). Shows where a kernel's issue slots go besides
-HMMA and LDSM. Needs no GPU: Numba writes the PTX, ptxas assembles it and nvdisasm lists it (both
-on PATH; `pip install nvidia-cuda-nvdisasm` brings nvdisasm).
+compiled for one head size and Hopper (sm_90a, as Numba builds for it), the registers each takes,
+then the number of SASS instructions of each opcode, over the whole kernel and over its main loop
+(the body of the loop that streams tiles, the unrolled code run once per tile). Shows where a
+kernel's issue slots go besides the tensor-core instructions (HMMA, HGMMA) and LDSM. Needs no GPU:
+Numba writes the PTX, ptxas assembles it and nvdisasm lists it (both on PATH; `pip install
+nvidia-cuda-nvdisasm` brings nvdisasm).
 
     python bench/attention_sass.py [--head-size 64] [--keep DIR]
 """
@@ -26,10 +27,10 @@ LABEL = re.compile(r"^(\.L_x_\d+):")
 def sass(name: str, kernel, folder: Path) -> tuple[str, str]:
     """(ptxas's report, the disassembly) of one kernel compiled as the backend compiles it."""
     options = kernel.targetoptions
-    ptx, _ = compile_ptx(kernel.py_func, attention.mma_signatures()[name], cc=(9, 0), fastmath=options.get("fastmath", False))
+    ptx, _ = compile_ptx(kernel.py_func, attention.mma_signatures()[name], cc=(9, 0, "a"), fastmath=options.get("fastmath", False))
     (folder / f"{name}.ptx").write_text(ptx)
     cap = ["-maxrregcount", str(options["max_registers"])] if "max_registers" in options else []
-    report = subprocess.run(["ptxas", "-arch=sm_90", "-O3", "-v", *cap, f"{name}.ptx", "-o", f"{name}.cubin"],
+    report = subprocess.run(["ptxas", "-arch=sm_90a", "-O3", "-v", *cap, f"{name}.ptx", "-o", f"{name}.cubin"],
                             cwd=folder, capture_output=True, text=True, check=True).stderr
     listing = subprocess.run(["nvdisasm", "-c", f"{name}.cubin"], cwd=folder, capture_output=True, text=True,
                              check=True).stdout
@@ -38,7 +39,7 @@ def sass(name: str, kernel, folder: Path) -> tuple[str, str]:
 
 
 def main_loop(listing: str) -> list[str]:
-    """The opcodes of the longest backward branch's body that holds an HMMA: the tile loop."""
+    """The opcodes of the longest backward branch's body that holds a tensor-core product: the tile loop."""
     labels, opcodes = {}, []
     for line in listing.splitlines():
         if found := LABEL.match(line):
@@ -50,7 +51,7 @@ def main_loop(listing: str) -> list[str]:
         target = re.search(r"\((\.L_x_\d+)\)", operands) if opcode == "BRA" else None
         if target and labels.get(target.group(1), end) < end:
             body = [op for op, _ in opcodes[labels[target.group(1)]:end + 1]]
-            if "HMMA" in body:
+            if "HMMA" in body or "HGMMA" in body:
                 loops.append(body)
     return max(loops, key=len, default=[])
 
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--keep", type=Path, help="keep the PTX, cubin and SASS files in this folder")
     args = parser.parse_args()
-    kernels = attention.mma_kernels(args.head_size)
+    kernels = attention.mma_kernels(args.head_size, hopper=True)
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.keep or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)

@@ -207,12 +207,11 @@ if not nvvm.is_available():
 sys.path.insert(0, "tests")
 import test_tensor_cores as t
 from nanoeuler_ops.cuda import attention, runtime
-runtime.warpgroup_mma = lambda: True   # as on Hopper: head size 64 takes the warpgroup forward
 words, words2, floats2 = types.Array(types.uint32, 1, "C"), types.Array(types.uint32, 2, "C"), types.Array(types.float32, 2, "C")
 kernels = {"one_tile": (t._one_tile, (words2, words2, floats2, floats2)),
            "tile_through_shared": (t._tile_through_shared, (words2, words, types.int64, types.boolean, floats2))}
 for head_size in (48, 64):   # a row of 6 copy chunks (no whole number of rows per pass), and 8
-    family = attention.mma_kernels(head_size)
+    family = attention.mma_kernels(head_size, hopper=True)   # head size 64: the warpgroup forward
     for name, argtypes in attention.mma_signatures().items():
         kernels[f"attention {name} D{head_size}"] = (getattr(family, name).function, argtypes)
 kernels["warpgroup tiles"] = (t._warpgroup_tiles, (words2,) * 3 + (floats2,) * 2)

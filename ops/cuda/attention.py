@@ -568,9 +568,10 @@ def mma_supported(q) -> bool:
 
 
 @cache
-def mma_kernels(D: int) -> FlashKernels:
+def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
     """The bf16 tensor-core forward, dq and dk/dv kernels for head size D, each with the dynamic
-    shared memory (bytes) it takes. They take tensors as flat uint32 words (_words)."""
+    shared memory (bytes) it takes, for this GPU (hopper None) or as for Hopper or not (to compile
+    them ahead, e.g. numba.cuda.compile_ptx). They take tensors as flat uint32 words (_words)."""
     W = D // 2                     # words per row of a tile over the head dims
     WS = W + MMA_PAD               # its shared row stride (words)
     TILE_WORDS = MMA_ROWS * WS     # words of a streamed tile in shared memory
@@ -1030,15 +1031,15 @@ def mma_kernels(D: int) -> FlashKernels:
         store_rows(dk, dk_acc, scale, b, k0, S, kv, KV, g, t)
         store_rows(dv, dv_acc, f32(1.0), b, k0, S, kv, KV, g, t)
 
-    forward = Kernel(wgmma_forward_kernel, 4 * (WG_SLACK + 5 * WG_TILE)) if warpgroup_forward(D) else \
+    forward = Kernel(wgmma_forward_kernel, 4 * (WG_SLACK + 5 * WG_TILE)) if warpgroup_forward(D, hopper) else \
         Kernel(mma_forward_kernel, 8 * FWD_STAGE)
     return FlashKernels(forward, Kernel(mma_dq_kernel, 8 * DQ_STAGE), Kernel(mma_dkdv_kernel, 8 * KV_STAGE))
 
 
-def warpgroup_forward(D: int) -> bool:
+def warpgroup_forward(D: int, hopper: bool | None = None) -> bool:
     """Whether the tensor-core forward for head size D runs on warpgroup products: D = 64 on Hopper
-    (and under the simulator, which runs their twins)."""
-    return D == 64 and runtime.warpgroup_mma()
+    (hopper None: on this GPU, or under the simulator, which runs their twins)."""
+    return D == 64 and (runtime.warpgroup_mma() if hopper is None else hopper)
 
 
 def _words(x):
