@@ -3,7 +3,9 @@ step, decode.py) decoding against PyTorch on the same weights, each with a KV ca
 
 nanoeuler's three modes share one process, a decoder each on the same weights, and take turns: a
 round times one generation of each, so that the machine's drift (clocks, other work) falls on every
-mode alike and their ratios compare like with like; a mode's memory is the model's plus what its
+mode alike and their ratios compare like with like, and each round starts one mode further on, so
+that no mode always runs right after the same other one (a heavy forced-speculative run may leave
+the clocks lower for whichever comes next); a mode's memory is the model's plus what its
 decoder added (on a CPU, the growth of the peak resident set: the first mode's includes
 compiling). Each peer runs in its own process (separate thread pools, compilation caches and peak
 memory): PyTorch eager with a static KV cache, and on a GPU PyTorch with
@@ -80,8 +82,9 @@ def bench_prompt(cfg, tok, length: int, source: str = "held-out") -> list[int]:
 def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, temperature, modes,
                      weights, prefill=0, prompt_from="held-out") -> list[dict]:
     """nanoeuler's decoding in each of `modes` (False plain, True speculative, None the policy), a decoder
-    each, warmed up, then `repeats` rounds that each time one generation of every mode in turn; the
-    first mode's decoder also times the prefill of `prefill` tokens (if any). A dict per mode."""
+    each, warmed up, then `repeats` rounds that each time one generation of every mode in turn (round r
+    starting at mode r mod the modes); the first mode's decoder also times the prefill of `prefill`
+    tokens (if any). A dict per mode."""
     from nanoeuler_core.inference.decode import DecodeStats, Sampling, decoder_for
 
     model, tok = load_weights(preset, run, backend)
@@ -95,8 +98,8 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
         out = decoder.generate([ids] * batch_size, tokens, seeds)   # warm-up: compilation, graph capture
         engines.append(SimpleNamespace(decoder=decoder, tokens=out[0], stats=DecodeStats(), times=[],
                                        memory_mb=base_mb + memory_mb(model.backend) - before_mb))
-    for _ in range(repeats):
-        for e in engines:
+    for r in range(repeats):
+        for e in engines[r % len(engines):] + engines[:r % len(engines)]:
             e.times += _timed(lambda: e.decoder.generate([ids] * batch_size, tokens, seeds, stats=e.stats), 1)
     prefill_s = None
     if prefill:   # one new token: the prefill and the first token

@@ -923,9 +923,8 @@ else:
 # descriptor moves it 32 bytes (the next k-step within a row), 64 moves it 8 rows.
 # The products run asynchronously: wgmma_fence(acc, frag) before the first product that touches
 # registers written since (the accumulators, and frag, the registers given as A: acc where none are),
-# wgmma_commit() after a batch, and
-# wgmma_wait(acc) before the accumulators are read; the fence and the wait pass acc through, so the
-# compiler cannot move its reads and writes across them. Shared memory written by cp.async must be
+# wgmma_commit() after a batch, and wgmma_wait(acc) before the accumulators are read; the fence and
+# the wait pass their arrays through, so the compiler cannot move reads and writes across them. Shared memory written by cp.async must be
 # made visible to the tensor cores by proxy_fence() in the writing threads before the barrier.
 # The simulator twins decode the descriptors and read the same elements through the same swizzle.
 
@@ -989,9 +988,9 @@ if SIMULATOR:
         pass
 else:
     def _tied(builder, text, operand_types, operand_constraints, operands, arrays):
-        # `text` with its other operands first ($0.. after the tied registers are counted: the
-        # outputs come first), then every element of each (pointer, count, type, letter) in `arrays`
-        # read and rewritten in place: outputs $0.., the operands, then the inputs tied to the outputs
+        # inline PTX `text` over the elements of `arrays` ((pointer, count, type, constraint letter)
+        # each), read before and stored back after: its operands are the elements' outputs ($0 on),
+        # then `operands`, then the elements' inputs, each tied to its output
         tied_types, letters, pointers = [], [], []
         for pointer, count, kind, letter in arrays:
             for i in range(count):
