@@ -7,7 +7,8 @@
 #               (bf16 autocast, eager and torch.compile), with the per-op profile
 #   training:   per-kernel timings in bf16, the TF32 step, and 500 steps of bf16, fp32 and PyTorch bf16
 #               from the same weights and batches
-#   generation: a `gpu` model trained 300 steps (GEN_STEPS), decoding tests and the decoding benchmark
+#   generation: a `gpu` model trained 300 steps (GEN_STEPS) on the bundled corpus (or CORPUS, e.g. from
+#               bench/stdlib_corpus.py), decoding tests and the decoding benchmark
 #               (batch 1 against PyTorch, 8 and 32)
 #   decode:     the decoding tests, then the captured step alone at 1, 8 and 32 rows (bench/decode_step.py)
 #   dist:       the NCCL communicator and the captured step with the all-reduce inside (one rank)
@@ -61,7 +62,8 @@ generation)
     rm -rf /tmp/nanoeuler-gen
     steps=${GEN_STEPS:-300}
     timeout $((120 + steps / 10)) $NE pretrain --preset gpu --backend cuda --steps "$steps" --batch-size 16 \
-        --eval-every $((steps / 3)) --ckpt-every "$steps" --sample-prompt "ROMEO:" --out "$run_dir" 2>&1 | tail -n 8 \
+        ${CORPUS:+--corpus "$CORPUS"} --eval-every $((steps / 3)) --ckpt-every "$steps" --sample-prompt "ROMEO:" \
+        --out "$run_dir" 2>&1 | tail -n 8 \
         | tee "$log_dir/pretrain_gpu.log"
     timeout 200 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 1 --prompt-tokens 16 \
         --new-tokens 256 2>&1 | quiet | tee "$log_dir/generate_b1.log"

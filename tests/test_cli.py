@@ -72,6 +72,21 @@ def test_bench_prompts_come_from_either_end_of_the_corpus(tok):
     assert held_out and text.rindex(held_out) > len(text) * 0.95
 
 
+def test_bench_prompts_come_from_the_corpus_the_run_trained_on(tmp_path, tok):
+    from nanoeuler_core.bench.generation import bench_prompt
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def first():\n    return 1\n\n" * 40 + "class Last:\n    pass\n\n" * 4, encoding="utf-8")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"training": {"corpus": str(corpus)}}), encoding="utf-8")
+    assert tok.decode(bench_prompt(None, tok, 4, "training", str(run_dir))).startswith("def")
+    assert tok.decode(bench_prompt(None, tok, 4, "held-out", str(run_dir))).startswith("class")
+    corpus.unlink()
+    result = run("bench", "--generate", "--run", str(run_dir))
+    assert result.returncode == 1 and result.stderr.strip().endswith("which is missing: the prompts come from it")
+
+
 def test_bench_errors_are_one_line(tmp_path):
     cases = [(("--generate", "--precision", "bf16"), "use fp32 weights"),
              (("--generate", "--run", str(tmp_path)), "is not a nanoeuler run directory"),

@@ -18,9 +18,9 @@ time, the median of `repeats` runs (rounds, for nanoeuler) after one warm-up (co
 capture, and the policy's step timings). Prefill is timed apart, on a longer prompt of `prefill`
 tokens per row: a generation of one token (nanoeuler plain) and the prefill call (PyTorch), rows x
 prompt tokens over the median time. The speculative speed-up needs trained weights (a random
-model's heads agree with nothing): pass a run directory. The memory bandwidth plain decoding
-achieves is the bytes a step reads (`plain_step_bytes`) over its time, against the card's where it
-is known.
+model's heads agree with nothing): pass a run directory; its prompts come from the corpus it
+trained on. The memory bandwidth plain decoding achieves is the bytes a step reads
+(`plain_step_bytes`) over its time, against the card's where it is known.
 """
 
 from __future__ import annotations
@@ -66,15 +66,23 @@ def load_weights(preset: str, run: str | None, backend: str):
 PROMPT_SOURCES = ("held-out", "training")
 
 
-def bench_prompt(cfg, tok, length: int, source: str = "held-out") -> list[int]:
-    """`length` tokens of the bundled corpus when there is a tokenizer, else random ids: from its end
-    ("held-out": the validation split, text a run does not train on) or from its first paragraph
-    ("training": text a run has seen, which a model that fits its corpus predicts well)."""
+def run_corpus(run: str | None) -> Path:
+    """The corpus a run trained on, as its config records it; the bundled one where it records none
+    (or for no run)."""
+    from nanoeuler_core.corpus.tokens import default_corpus
+    from nanoeuler_core.engine.checkpoint import read_json
+
+    recorded = read_json(Path(run) / "config.json").get("training", {}).get("corpus") if run else None
+    return Path(recorded) if recorded else default_corpus()
+
+
+def bench_prompt(cfg, tok, length: int, source: str = "held-out", run: str | None = None) -> list[int]:
+    """`length` tokens of the run's corpus (run_corpus) when there is a tokenizer, else random ids: from
+    its end ("held-out": the validation split, text a run does not train on) or from its first
+    paragraph ("training": text a run has seen, which a model that fits its corpus predicts well)."""
     if tok is None:
         return np.random.default_rng(0).integers(0, cfg.vocab_size, length).tolist()
-    from nanoeuler_core.corpus.tokens import default_corpus
-
-    text = default_corpus().read_text(encoding="utf-8")
+    text = run_corpus(run).read_text(encoding="utf-8")
     start = text.index("\n\n", int(len(text) * 0.95)) + 2 if source == "held-out" else 0
     return tok.encode(text[start:start + 40 * length])[:length]
 
@@ -88,7 +96,7 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
     from nanoeuler_core.inference.decode import DecodeStats, Sampling, decoder_for
 
     model, tok = load_weights(preset, run, backend)
-    ids = bench_prompt(model.cfg, tok, prompt, prompt_from)
+    ids = bench_prompt(model.cfg, tok, prompt, prompt_from, run)
     seeds = list(range(batch_size))
     base_mb = memory_mb(model.backend)
     engines = []
@@ -103,7 +111,7 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
             e.times += _timed(lambda: e.decoder.generate([ids] * batch_size, tokens, seeds, stats=e.stats), 1)
     prefill_s = None
     if prefill:   # one new token: the prefill and the first token
-        long = [bench_prompt(model.cfg, tok, prefill)] * batch_size
+        long = [bench_prompt(model.cfg, tok, prefill, run=run)] * batch_size
         first = engines[0].decoder
         first.generate(long, 1, seeds)
         prefill_s = statistics.median(_timed(lambda: first.generate(long, 1, seeds), repeats))
@@ -150,9 +158,9 @@ def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, comp
     if torch.device(device).type == "cpu":
         torch.set_num_threads(1)   # as nanoeuler's decoding: one token's ops are too small to share out
     model, tok = load_weights(preset, run, "cpu")
-    ids = bench_prompt(model.cfg, tok, prompt, prompt_from)
+    ids = bench_prompt(model.cfg, tok, prompt, prompt_from, run)
     peer = TorchModel(model.cfg, device=device).load(model.params).to(device)
-    long = bench_prompt(model.cfg, tok, prefill) if prefill else []
+    long = bench_prompt(model.cfg, tok, prefill, run=run) if prefill else []
     peer.setup_cache(batch_size, max(len(ids) + tokens, len(long)))
     step = torch.compile(peer.next_token, mode="reduce-overhead", fullgraph=True) if compile else peer.next_token
 

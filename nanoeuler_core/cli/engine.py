@@ -146,8 +146,9 @@ def bench(
     run: Optional[Path] = typer.Option(None, help="with --generate: the run directory whose weights to decode "
                                                   "with (default: random weights of --preset)"),
     prompt_tokens: int = typer.Option(16, help="with --generate: prompt length in tokens"),
-    prompt_from: str = typer.Option("held-out", help="with --generate: where in the bundled corpus the prompt comes "
-                                                     "from: held-out (its validation split) or training (its start)"),
+    prompt_from: str = typer.Option("held-out", help="with --generate: where in the run's corpus (else the bundled "
+                                                     "one) the prompt comes from: held-out (its validation split) or "
+                                                     "training (its start)"),
     new_tokens: int = typer.Option(256, help="with --generate: new tokens per row (capped to fit the context)"),
     prefill_tokens: int = typer.Option(512, help="with --generate: the prompt whose prefill is timed (capped to fit "
                                                  "the context)"),
@@ -176,6 +177,9 @@ def bench(
             raise ValueError(f"--prompt-from must be one of {', '.join(generation.PROMPT_SOURCES)}, got {prompt_from!r}")
         if run is not None and not (run / "config.json").is_file():
             raise ValueError(f"{run} is not a nanoeuler run directory (no config.json)")
+        corpus = generation.run_corpus(run)
+        if not corpus.is_file():
+            raise ValueError(f"{run} was trained on {corpus}, which is missing: the prompts come from it")
         generation.run(preset, backend, str(run) if run else None, batch_size, prompt_tokens, new_tokens, steps,
                        temperature, peers, precision, prefill_tokens, prompt_from, echo=typer.echo)
         return
