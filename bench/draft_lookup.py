@@ -1,7 +1,7 @@
 """How many tokens a decoding step would keep with prompt-lookup proposals (the next k tokens after
 the latest earlier occurrence of the context's last n tokens) against greedy decoding of a trained
-run: prompts of 16 tokens from the last tenth of the bundled corpus, decoded greedily to the end of
-the context, then each step replayed with those proposals. Compare with `bench --generate --run`'s
+run: prompts of 16 tokens from the last tenth of the corpus it trained on, decoded greedily to the
+end of the context, then each step replayed with those proposals. Compare with `bench --generate --run`'s
 tokens per row and step for the multi-token heads:
 
     python bench/draft_lookup.py RUN_DIR [--prompts 10] [--proposals 3]
@@ -11,7 +11,7 @@ import argparse
 
 import numpy as np
 
-from nanoeuler_core.corpus.tokens import default_corpus
+from nanoeuler_core.bench.generation import run_corpus
 from nanoeuler_core.inference.decode import Sampling, decoder_for
 from nanoeuler_core.inference.loading import load_model
 
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--proposals", type=int, default=3)
     args = parser.parse_args()
     model, tok = load_model(args.run, "cpu")
-    text = default_corpus().read_text(encoding="utf-8")
+    text = run_corpus(args.run).read_text(encoding="utf-8")   # the corpus the run trained on
     corpus = tok.encode(text[int(len(text) * 0.9):int(len(text) * 0.9) + 20000])
     decoder = decoder_for(model, 1, False, Sampling(0.0), None)
     rng = np.random.default_rng(0)
