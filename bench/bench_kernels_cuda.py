@@ -9,7 +9,7 @@ In bf16 the activations are bf16 in both engines (PyTorch: bf16 tensors, SDPA's 
 AdamW stays float32 (master weights).
 
 --decode times the weight-reading decoding kernels instead (norm_linear, linear_residual,
-norm_swiglu) at 1, 8 and 32 rows, as a decoding step runs them: bf16 weights, float32 activations.
+norm_swiglu) at 1, 4, 8 and 32 rows, as a decoding step runs them: bf16 weights, float32 activations.
 Their roofline is reading the weights once: the figure is weight bytes per second.
 
 Each figure is the median over several timed batches of GPU time per call, measured with CUDA
@@ -38,7 +38,7 @@ C, H, KV, D, F, V, THETA = 768, 12, 4, 64, 2048, 4096, 10000.0   # the gpu prese
 PARAMS = 116_417_280
 PEAK = {"fp32": 67e12, "tf32": 495e12, "bf16": 989e12}   # Hopper SXM datasheet, dense (H100 and H200 alike)
 REPS, BATCHES = 20, 5
-DECODE_ROWS = (1, 8, 32)   # a step over 1 row, 8 rows, and 8 rows fed 4 tokens each (speculative)
+DECODE_ROWS = (1, 4, 8, 32)   # a step over 1 row, 1 row fed 4 tokens (speculative), 8 rows, 8 rows fed 4 tokens each
 SLEEP_NS = 20_000_000
 
 
@@ -304,7 +304,7 @@ def main() -> None:
     parser.add_argument("--ops", help="time only these ops, comma-separated (e.g. rmsnorm,add_rmsnorm)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--decode", action="store_true",
-                        help="time the decoding kernels (bf16 weights, float32 rows) at 1, 8 and 32 rows instead")
+                        help="time the decoding kernels (bf16 weights, float32 rows) at 1, 4, 8 and 32 rows instead")
     args = parser.parse_args()
     if args.decode:
         decode_main(args)

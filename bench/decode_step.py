@@ -4,7 +4,8 @@ waited for), and steps as `generate` runs them (`Decoder.step`, running ahead wh
 captures: the host's work hidden behind the next step), for a model of random weights (the
 `gpu` preset unless told) decoding plain (one token per row and step) at rows R, with the plain
 decoder or (--mode default) with the policy's, whose plain step reads a cache with room for
-proposals, each row from position 200 (or half the context, if less); then a whole `generate` call of one new token (the
+proposals; or (--width W) the policy's step of W tokens a row (the next token and W - 1
+proposals), each row from position 200 (or half the context, if less); then a whole `generate` call of one new token (the
 prompt's prefill and the first token: what a call costs outside its steps), with --host-profile
 its Python profile. With --ncu, three replays between profiler start and stop, for Nsight
 Compute to time each kernel (bench/ncu_kernels.py sums them). With --twice KERNEL (the CUDA
@@ -13,7 +14,7 @@ writes the same output from the same inputs again): the step's growth is what th
 inside the step, overlapped with its neighbours as it runs there, unlike Nsight Compute's
 kernels one at a time.
 
-    python bench/decode_step.py [--rows R] [--mode plain|default] [--preset P --backend B] [--replay-only]
+    python bench/decode_step.py [--rows R] [--mode plain|default] [--width W] [--preset P --backend B] [--replay-only]
                                 [--twice op.kernel ...]
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
         python bench/decode_step.py --ncu > kernels.csv && python bench/ncu_kernels.py kernels.csv 3
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--mode", choices=("plain", "default"), default="plain",
                         help="the plain decoder, or the policy's (its steps here: plain ones)")
+    parser.add_argument("--width", type=int, default=1,
+                        help="tokens a row per step: above 1, the policy's speculative step of that width")
     parser.add_argument("--preset", default="gpu")
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--ncu", action="store_true", help="profile three replays (run under ncu)")
@@ -66,17 +69,21 @@ def main() -> None:
     parser.add_argument("--twice", nargs="+", default=[], metavar="OP.KERNEL",
                         help="launch these kernels twice (e.g. decode_attention.combine, linear_residual._forward)")
     args = parser.parse_args()
-    rows = args.rows
+    rows, width = args.rows, args.width
     if args.twice:
         launch_twice(set(args.twice))
     model, _ = load_weights(args.preset, None, args.backend)
     ctx = model.cfg.ctx_len
     position = min(POSITION, ctx // 2)
-    decoder = decoder_for(model, rows, False if args.mode == "plain" else None, Sampling(0.0), None)
+    plain = args.mode == "plain" and width == 1
+    if not 1 <= width <= model.cfg.n_mtp:
+        parser.error(f"--width must be 1 to the model's {model.cfg.n_mtp} heads")
+    decoder = decoder_for(model, rows, False if plain else None, Sampling(0.0), None)
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 16).tolist()
-    decoder.generate([prompt] * rows, 32, list(range(rows)))   # compiles and captures the step
-    # a captured plain step over the rows (one per mailbox; either)
-    replay = next(run for key, run in decoder._replays.items() if key[:2] == (rows, 1))
+    decoder.generate([prompt] * rows, 32, list(range(rows)))   # compiles and captures the steps (the policy's: every width)
+    decoder._set_width(width)
+    # a captured step over the rows at this width (one per mailbox; either)
+    replay = next(run for key, run in decoder._replays.items() if key[:2] == (rows, width))
     be = decoder.be
     if args.ncu:
         be.copy_(decoder.pos, np.full(rows, position))
@@ -86,7 +93,7 @@ def main() -> None:
         be.synchronize()
         cuda.profile_stop()
         return
-    for label, step in (("replay", replay), ("step with host work", lambda: decoder._advance(rows, 1))):
+    for label, step in (("replay", replay), ("step with host work", lambda: decoder._advance(rows, width))):
         times = []
         for _ in range(7):
             be.copy_(decoder.pos, np.full(rows, position))
@@ -96,8 +103,9 @@ def main() -> None:
                 step()
             be.synchronize()
             times.append((time.perf_counter() - start) / STEPS)
-        print(f"{label}: {statistics.median(times) * 1e6:.1f} us a step ({rows} rows, median of 7 x {STEPS} steps)")
-    if args.replay_only:
+        print(f"{label}: {statistics.median(times) * 1e6:.1f} us a step ({rows} rows, width {width}, "
+              f"median of 7 x {STEPS} steps)")
+    if args.replay_only or width > 1:
         return
     seeds = list(range(rows))
     times = []

@@ -15,6 +15,10 @@ lengths are padded to whole chunks first, `in_chunks`), and no warp waits on ano
 chunks a trip (TRIP in each kernel) is what the kernel's registers allow with every column of the
 `gpu` preset's matrices in one wave of blocks: norm_linear 4 (a 768-wide row in one trip),
 norm_swiglu 3 of each of its two rows, linear_residual 8 (w_down's 2,048 features in one trip).
+The rows go in groups of R (`row_group`): 1 for a lone row (plain decoding at batch 1), else ROWS. A
+warp computes a group's rows side by side, with no branch between them (a row past the last repeats
+it, never stored). R is known when the kernel compiles (one kernel per R), so a lone row's kernel
+holds no other row's registers and tests no row index.
 Launched with overlap=True, each kernel first asks for its weight rows to come into L2
 (`prefetch_row`, no registers held), loads its first trip of them (a whole row at the `gpu`
 preset's sizes) and only then waits for the kernel ahead of it to end: the weights come while that
@@ -22,7 +26,7 @@ kernel runs, and only the input rows are read after it. The first trip's weights
 for every group of rows; later trips, if any, are read again for each group (`load_trip`).
 """
 
-from numba import cuda, float32, types
+from numba import cuda, float32, int32, types
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.runtime import SIMULATOR, WARP, prefetch_l2, stored, to_f32
@@ -32,6 +36,12 @@ THREADS = WARPS * WARP
 ROWS = 4        # rows reduced together: the weights are read once per group of ROWS rows
 CHUNK = 8       # features a lane reads at once (16 bytes of bf16)
 STEP = WARP * CHUNK   # features from a lane's chunk to its next
+
+
+def row_group(N: int) -> tuple:
+    """The kernels' `group` argument for N rows: a tuple of R zeros, R = 1 for one row, else ROWS. A
+    kernel takes R as len(group), a constant when it compiles (a tuple's length is part of its type)."""
+    return (int32(0),) * (1 if N == 1 else ROWS)
 
 
 def vector_ready(a) -> bool:

@@ -7,7 +7,7 @@ from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column,
-                                         dot, in_chunks, load_trip, no_chunk, prefetch_row)
+                                         dot, in_chunks, load_trip, no_chunk, prefetch_row, row_group)
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous, warp_sum
 from nanoeuler_ops.linear_residual import check_shapes
 
@@ -21,10 +21,11 @@ def weight_trip(w, o, c):
 
 
 @cuda.jit(cache=True)
-def _forward(x, w, res, y):
+def _forward(x, w, res, group, y):
     # x (N, I), w (O, I), res (N, O) -> y (N, O) = res + x @ w.T (I past the features: zeros); the warp
-    # of column o computes y[:, o], ROWS rows at a time
+    # of column o computes y[:, o], R = len(group) rows at a time
     N, I = x.shape
+    R = len(group)
     column_, lane = column()
     o = min(column_, w.shape[0] - 1)   # a warp past the last column repeats it, never stored
     dots = cuda.local.array(ROWS, float32)
@@ -32,31 +33,30 @@ def _forward(x, w, res, y):
     prefetch_row(w, o)
     first = lane * CHUNK
     w0 = w1 = w2 = w3 = w4 = w5 = w6 = w7 = no_chunk()
-    for r0 in range(0, N, ROWS):
-        for r in range(ROWS):
+    for r0 in range(0, N, R):
+        for r in range(R):
             dots[r] = 0.0
         for c in range(first, I, TRIP * STEP):   # loads first
             if load_trip(c, first, r0, I, TRIP):
                 w0, w1, w2, w3, w4, w5, w6, w7 = weight_trip(w, o, c)
             if r0 == 0 and c == first:   # the first trip's weights were asked for before
                 wait_for_previous()
-            for r in range(ROWS):
-                if r0 + r < N:
-                    n = r0 + r
-                    a = dot(dot(dot(dot(dots[r], chunk(x, n, c), w0), chunk(x, n, c + STEP), w1),
-                                chunk(x, n, c + 2 * STEP), w2), chunk(x, n, c + 3 * STEP), w3)
-                    dots[r] = dot(dot(dot(dot(a, chunk(x, n, c + 4 * STEP), w4), chunk(x, n, c + 5 * STEP), w5),
-                                      chunk(x, n, c + 6 * STEP), w6), chunk(x, n, c + 7 * STEP), w7)
-        for r in range(ROWS):
-            if r0 + r < N:
-                total = warp_sum(dots[r])
-                if lane == 0 and column_ == o:
-                    y[r0 + r, o] = stored(y, to_f32(res[r0 + r, o]) + total)
+            for r in range(R):
+                n = min(r0 + r, N - 1)
+                a = dot(dot(dot(dot(dots[r], chunk(x, n, c), w0), chunk(x, n, c + STEP), w1),
+                            chunk(x, n, c + 2 * STEP), w2), chunk(x, n, c + 3 * STEP), w3)
+                dots[r] = dot(dot(dot(dot(a, chunk(x, n, c + 4 * STEP), w4), chunk(x, n, c + 5 * STEP), w5),
+                                  chunk(x, n, c + 6 * STEP), w6), chunk(x, n, c + 7 * STEP), w7)
+        for r in range(R):
+            total = warp_sum(dots[r])
+            if lane == 0 and column_ == o and r0 + r < N:
+                y[r0 + r, o] = stored(y, to_f32(res[r0 + r, o]) + total)
 
 
 def forward(x, w, r):
     check_shapes(x, w, r)
     y = runtime.empty(r.shape, r.dtype)
-    runtime.launch(_forward, runtime.blocks_for(w.shape[0], WARPS), THREADS, in_chunks(x), in_chunks(w), r, y,
+    runtime.launch(_forward, runtime.blocks_for(w.shape[0], WARPS), THREADS, in_chunks(x), in_chunks(w), r,
+                   row_group(x.shape[0]), y,
                    overlap=True)
     return y, ()

@@ -13,7 +13,7 @@ from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column,
-                                         dot, in_chunks, load_trip, no_chunk, prefetch_row, product)
+                                         dot, in_chunks, load_trip, no_chunk, prefetch_row, product, row_group)
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_linear import check_shapes
 
@@ -29,10 +29,11 @@ def weight_trip(w, g, o, c):
 
 
 @cuda.jit(cache=True)
-def _forward(x, g, w, features, eps, y):
+def _forward(x, g, w, features, eps, group, y):
     # x (N, C), g (1, C), w (O, C) -> y (N, O), C >= features (the rest zeros); the warp of column o
-    # computes y[:, o], ROWS rows at a time
+    # computes y[:, o], R = len(group) rows at a time
     N, C = x.shape
+    R = len(group)
     column_, lane = column()
     o = min(column_, w.shape[0] - 1)   # a warp past the last column repeats it, never stored
     dots = cuda.local.array(ROWS, float32)
@@ -41,8 +42,8 @@ def _forward(x, g, w, features, eps, y):
     prefetch_row(w, o)
     first = lane * CHUNK
     w0 = w1 = w2 = w3 = no_chunk()
-    for r0 in range(0, N, ROWS):
-        for r in range(ROWS):
+    for r0 in range(0, N, R):
+        for r in range(R):
             dots[r] = 0.0
             squares[r] = 0.0
         for c in range(first, C, TRIP * STEP):   # loads first
@@ -50,25 +51,22 @@ def _forward(x, g, w, features, eps, y):
                 w0, w1, w2, w3 = weight_trip(w, g, o, c)
             if r0 == 0 and c == first:   # the first trip's weights were asked for before
                 wait_for_previous()
-            for r in range(ROWS):
-                if r0 + r < N:
-                    x0 = chunk(x, r0 + r, c)
-                    x1 = chunk(x, r0 + r, c + STEP)
-                    x2 = chunk(x, r0 + r, c + 2 * STEP)
-                    x3 = chunk(x, r0 + r, c + 3 * STEP)
-                    dots[r] = dot(dot(dot(dot(dots[r], x0, w0), x1, w1), x2, w2), x3, w3)
-                    squares[r] = dot(dot(dot(dot(squares[r], x0, x0), x1, x1), x2, x2), x3, x3)
-        for r in range(ROWS):
-            if r0 + r < N:
-                total, sum_squares = warp_sum(dots[r]), warp_sum(squares[r])
-                if lane == 0 and column_ == o:
-                    rstd = float32(1.0) / math.sqrt(sum_squares / float32(features) + eps)
-                    y[r0 + r, o] = stored(y, total * rstd)
+            for r in range(R):
+                n = min(r0 + r, N - 1)
+                x0, x1, x2, x3 = chunk(x, n, c), chunk(x, n, c + STEP), chunk(x, n, c + 2 * STEP), \
+                    chunk(x, n, c + 3 * STEP)
+                dots[r] = dot(dot(dot(dot(dots[r], x0, w0), x1, w1), x2, w2), x3, w3)
+                squares[r] = dot(dot(dot(dot(squares[r], x0, x0), x1, x1), x2, x2), x3, x3)
+        for r in range(R):
+            total, sum_squares = warp_sum(dots[r]), warp_sum(squares[r])
+            if lane == 0 and column_ == o and r0 + r < N:
+                rstd = float32(1.0) / math.sqrt(sum_squares / float32(features) + eps)
+                y[r0 + r, o] = stored(y, total * rstd)
 
 
 def forward(x, g, w, *, eps):
     check_shapes(x, g, w)
     y = runtime.empty((x.shape[0], w.shape[0]), x.dtype)
     runtime.launch(_forward, runtime.blocks_for(w.shape[0], WARPS), THREADS, in_chunks(x), in_chunks(g),
-                   in_chunks(w), x.shape[1], float32(eps), y, overlap=True)
+                   in_chunks(w), x.shape[1], float32(eps), row_group(x.shape[0]), y, overlap=True)
     return y, ()

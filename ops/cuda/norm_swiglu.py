@@ -12,7 +12,7 @@ from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot,
-                                         in_chunks, load_trip, no_chunk, prefetch_row, product)
+                                         in_chunks, load_trip, no_chunk, prefetch_row, product, row_group)
 from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_swiglu import check_shapes
 
@@ -29,11 +29,12 @@ def weight_trip(w, g, f, F, c):
 
 
 @cuda.jit(cache=True)
-def _forward(x, g, w, features, eps, y):
+def _forward(x, g, w, features, eps, group, y):
     # x (N, C), g (1, C), w (2F, C) -> y (N, F), C >= features (the rest zeros); the warp of column f
-    # computes y[:, f], ROWS rows at a time
+    # computes y[:, f], R = len(group) rows at a time
     N, C = x.shape
     F = y.shape[1]
+    R = len(group)
     column_, lane = column()
     f = min(column_, F - 1)   # a warp past the last column repeats it, never stored
     gates = cuda.local.array(ROWS, float32)
@@ -44,8 +45,8 @@ def _forward(x, g, w, features, eps, y):
     prefetch_row(w, F + f)
     first = lane * CHUNK
     gate0 = gate1 = gate2 = up0 = up1 = up2 = no_chunk()
-    for r0 in range(0, N, ROWS):
-        for r in range(ROWS):
+    for r0 in range(0, N, R):
+        for r in range(R):
             gates[r] = 0.0
             ups[r] = 0.0
             squares[r] = 0.0
@@ -54,20 +55,19 @@ def _forward(x, g, w, features, eps, y):
                 gate0, gate1, gate2, up0, up1, up2 = weight_trip(w, g, f, F, c)
             if r0 == 0 and c == first:   # the first trip's weights were asked for before
                 wait_for_previous()
-            for r in range(ROWS):
-                if r0 + r < N:
-                    x0, x1, x2 = chunk(x, r0 + r, c), chunk(x, r0 + r, c + STEP), chunk(x, r0 + r, c + 2 * STEP)
-                    gates[r] = dot(dot(dot(gates[r], x0, gate0), x1, gate1), x2, gate2)
-                    ups[r] = dot(dot(dot(ups[r], x0, up0), x1, up1), x2, up2)
-                    squares[r] = dot(dot(dot(squares[r], x0, x0), x1, x1), x2, x2)
-        for r in range(ROWS):
-            if r0 + r < N:
-                gate, up, sum_squares = warp_sum(gates[r]), warp_sum(ups[r]), warp_sum(squares[r])
-                if lane == 0 and column_ == f:
-                    rstd = float32(1.0) / math.sqrt(sum_squares / float32(features) + eps)
-                    z = gate * rstd
-                    sigmoid = float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # no overflow for large -z
-                    y[r0 + r, f] = stored(y, z * sigmoid * (up * rstd))
+            for r in range(R):
+                n = min(r0 + r, N - 1)
+                x0, x1, x2 = chunk(x, n, c), chunk(x, n, c + STEP), chunk(x, n, c + 2 * STEP)
+                gates[r] = dot(dot(dot(gates[r], x0, gate0), x1, gate1), x2, gate2)
+                ups[r] = dot(dot(dot(ups[r], x0, up0), x1, up1), x2, up2)
+                squares[r] = dot(dot(dot(squares[r], x0, x0), x1, x1), x2, x2)
+        for r in range(R):
+            gate, up, sum_squares = warp_sum(gates[r]), warp_sum(ups[r]), warp_sum(squares[r])
+            if lane == 0 and column_ == f and r0 + r < N:
+                rstd = float32(1.0) / math.sqrt(sum_squares / float32(features) + eps)
+                z = gate * rstd
+                sigmoid = float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # no overflow for large -z
+                y[r0 + r, f] = stored(y, z * sigmoid * (up * rstd))
 
 
 def forward(x, g, w, *, eps):
@@ -75,5 +75,5 @@ def forward(x, g, w, *, eps):
     F = w.shape[0] // 2
     y = runtime.empty((x.shape[0], F), x.dtype)
     runtime.launch(_forward, runtime.blocks_for(F, WARPS), THREADS, in_chunks(x), in_chunks(g), in_chunks(w),
-                   x.shape[1], float32(eps), y, overlap=True)
+                   x.shape[1], float32(eps), row_group(x.shape[0]), y, overlap=True)
     return y, ()
