@@ -15,10 +15,9 @@ lengths are padded to whole chunks first, `in_chunks`), and no warp waits on ano
 chunks a trip (TRIP in each kernel) is what the kernel's registers allow with every column of the
 `gpu` preset's matrices in one wave of blocks: norm_linear 4 (a 768-wide row in one trip),
 norm_swiglu 3 of each of its two rows, linear_residual 8 (w_down's 2,048 features in one trip).
-The rows go in groups of R (`row_group`): 1 for a lone row (plain decoding at batch 1), else ROWS. A
-warp computes a group's rows side by side, with no branch between them (a row past the last repeats
-it, never stored). R is known when the kernel compiles (one kernel per R), so a lone row's kernel
-holds no other row's registers and tests no row index.
+The rows go in groups of R (`row_group`): 1 for a lone row (plain decoding at batch 1), else ROWS.
+R is known when the kernel compiles (one kernel per R), so a lone row's kernel holds no other row's
+sums: fewer registers, and more of its blocks fit beside the kernel ahead of it.
 Launched with overlap=True, each kernel first asks for its weight rows to come into L2
 (`prefetch_row`, no registers held), loads its first trip of them (a whole row at the `gpu`
 preset's sizes) and only then waits for the kernel ahead of it to end: the weights come while that

@@ -56,18 +56,19 @@ def _forward(x, g, w, features, eps, group, y):
             if r0 == 0 and c == first:   # the first trip's weights were asked for before
                 wait_for_previous()
             for r in range(R):
-                n = min(r0 + r, N - 1)
-                x0, x1, x2 = chunk(x, n, c), chunk(x, n, c + STEP), chunk(x, n, c + 2 * STEP)
-                gates[r] = dot(dot(dot(gates[r], x0, gate0), x1, gate1), x2, gate2)
-                ups[r] = dot(dot(dot(ups[r], x0, up0), x1, up1), x2, up2)
-                squares[r] = dot(dot(dot(squares[r], x0, x0), x1, x1), x2, x2)
+                if R == 1 or r0 + r < N:   # (R == 1: no test, the one row is there)
+                    x0, x1, x2 = chunk(x, r0 + r, c), chunk(x, r0 + r, c + STEP), chunk(x, r0 + r, c + 2 * STEP)
+                    gates[r] = dot(dot(dot(gates[r], x0, gate0), x1, gate1), x2, gate2)
+                    ups[r] = dot(dot(dot(ups[r], x0, up0), x1, up1), x2, up2)
+                    squares[r] = dot(dot(dot(squares[r], x0, x0), x1, x1), x2, x2)
         for r in range(R):
-            gate, up, sum_squares = warp_sum(gates[r]), warp_sum(ups[r]), warp_sum(squares[r])
-            if lane == 0 and column_ == f and r0 + r < N:
-                rstd = float32(1.0) / math.sqrt(sum_squares / float32(features) + eps)
-                z = gate * rstd
-                sigmoid = float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # no overflow for large -z
-                y[r0 + r, f] = stored(y, z * sigmoid * (up * rstd))
+            if R == 1 or r0 + r < N:   # (R == 1: no test, the one row is there)
+                gate, up, sum_squares = warp_sum(gates[r]), warp_sum(ups[r]), warp_sum(squares[r])
+                if lane == 0 and column_ == f:
+                    rstd = float32(1.0) / math.sqrt(sum_squares / float32(features) + eps)
+                    z = gate * rstd
+                    sigmoid = float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # no overflow for large -z
+                    y[r0 + r, f] = stored(y, z * sigmoid * (up * rstd))
 
 
 def forward(x, g, w, *, eps):
