@@ -1,7 +1,8 @@
 """A training corpus a `gpu` model cannot memorize in a few thousand steps: the modules of Python's
 standard library (tests, IDLE and installed packages left out), and with --site-packages those of
-the installed packages after them (tests left out), concatenated as UTF-8 text, up to a size. For measuring how often the multi-token heads agree with head 0 on text not seen again and
-again (the bundled Shakespeare, 0.3M tokens, is memorized long before 2,000 `gpu` steps).
+the installed packages after them (tests left out), concatenated as UTF-8 text, up to a size. For
+measuring how often the multi-token heads agree with head 0 on text not seen again and again (the
+bundled Shakespeare, 0.3M tokens, is memorized long before 2,000 `gpu` steps).
 
     python bench/stdlib_corpus.py OUT.txt [--megabytes 12] [--site-packages]
     CORPUS=OUT.txt GEN_STEPS=2000 bash bench/run_gpu.sh LOG generation

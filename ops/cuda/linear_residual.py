@@ -59,6 +59,5 @@ def forward(x, w, r):
     check_shapes(x, w, r)
     y = runtime.empty(r.shape, r.dtype)
     runtime.launch(_forward, runtime.blocks_for(w.shape[0], WARPS), THREADS, in_chunks(x), in_chunks(w), r,
-                   row_group(x.shape[0]), y,
-                   overlap=True)
+                   row_group(x.shape[0]), y, overlap=True)
     return y, ()
