@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true", help="the Python profile of a one-token call")
     parser.add_argument("--replay-only", action="store_true", help="stop after the captured step's timings")
     parser.add_argument("--twice", nargs="+", default=[], metavar="OP.KERNEL",
-                        help="launch these kernels twice (e.g. decode_attention.combine, linear_residual._forward)")
+                        help="launch these kernels twice (e.g. decode_attention.combine, linear_residual._forward_mma)")
     args = parser.parse_args()
     rows, width = args.rows, args.width
     if args.twice:

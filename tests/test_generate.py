@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nanoeuler_core import Model, ModelConfig, registry
+from nanoeuler_core.engine.gradcheck import run_backend, stored_values
 from nanoeuler_core.engine.optim import AdamW
 from nanoeuler_core.training.step import TrainStep
 from nanoeuler_core.inference.decode import DecodeStats, Decoder, Sampling, decoder_for
@@ -274,6 +275,41 @@ def count_running_ahead(decoder) -> list[bool]:
 
     decoder.step = step_and_look
     return ahead
+
+
+MATRIX_OPS = {"norm_linear": 2, "norm_swiglu": 2, "linear_residual": 1}   # decoding op -> its weights' position
+
+
+def run_with_bf16_weights(name, inputs, attrs, backend):
+    """The decoding op `name` on float32 inputs with its weights rounded to bf16: on CUDA stored as
+    bf16 (the decoder's copy, multiplied on the tensor cores), elsewhere as their float32 values."""
+    be, i = registry.backend(backend), MATRIX_OPS[name]
+    weights = stored_values(inputs[i], "bf16").astype(np.float32)
+    weights = be.asarray(weights, storage="bf16" if backend == "cuda" else None)
+    inputs = tuple(x.astype(np.float32) for x in inputs)
+    return run_backend(registry.op(name), backend, inputs[:i] + (weights,) + inputs[i + 1:], attrs)[0][0]
+
+
+def matrix_op_inputs(name, rng, N, C, O):
+    """(inputs, attrs) of a decoding op that reads a matrix: N rows of C features, O outputs."""
+    normal = rng.standard_normal
+    if name == "linear_residual":
+        return (normal((N, C)), normal((O, C)) / C ** 0.5, normal((N, O))), {}
+    rows = 2 * O if name == "norm_swiglu" else O
+    return (normal((N, C)), 1 + 0.1 * normal(C), normal((rows, C)) / C ** 0.5), {"eps": 1e-5}
+
+
+@pytest.mark.parametrize("name", list(MATRIX_OPS))
+def test_bf16_weights_give_the_cpus_products_and_rows_alone(name):
+    """With the decoder's bf16 weights and float32 rows, the CUDA kernels (the simulator's twins of
+    the tensor-core products here) give the CPU's results on the same weights, within float32's
+    sums; and a row is bit for bit the same alone as the 9th of 9 (a second group of 8 rows)."""
+    inputs, attrs = matrix_op_inputs(name, np.random.default_rng(3), 9, 200, 20)
+    cuda, cpu = (run_with_bf16_weights(name, inputs, attrs, backend) for backend in ("cuda", "cpu"))
+    assert np.linalg.norm(cuda - cpu) <= 2e-5 * np.linalg.norm(cpu)
+    alone = run_with_bf16_weights(name, tuple(x[8:] if x.ndim == 2 and x.shape[0] == 9 else x for x in inputs),
+                                  attrs, "cuda")
+    assert np.array_equal(alone[0], cuda[8])
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])

@@ -12,7 +12,8 @@ from nanoeuler_core import registry
 from nanoeuler_core.engine.gradcheck import run_backend
 from nanoeuler_core.inference.decode import DecodeStats, Sampling
 from nanoeuler_ops.sample import warped
-from test_generate import PROMPTS, cycle_model, decode, on_backend  # noqa: F401  (cycle_model is a fixture)
+from test_generate import (MATRIX_OPS, PROMPTS, cycle_model, decode, on_backend,  # noqa: F401  (a fixture)
+                           run_with_bf16_weights)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(bool(numba.config.ENABLE_CUDASIM) or not cuda.is_available(),
@@ -41,32 +42,44 @@ def _rel_err(x, y):
     return float(np.linalg.norm(np.asarray(x, np.float64) - y) / max(np.linalg.norm(y), 1e-30))
 
 
-def _run(name, inputs, attrs, backend):
+def _outputs(name, inputs, attrs, backend):
     inputs = tuple(x.astype(np.float32) if x.dtype.kind == "f" else x for x in inputs)
     return run_backend(registry.op(name), backend, inputs, attrs)[0]
 
 
-@pytest.mark.parametrize("name", ["norm_linear", "norm_swiglu", "linear_residual", "decode_attention"])
+def _run(name, inputs, attrs, backend, weights="fp32"):
+    """The op's first output; `weights` "bf16": the matrix rounded to bf16, as the decoder reads it."""
+    if weights == "bf16":
+        return run_with_bf16_weights(name, inputs, attrs, backend)
+    return _outputs(name, inputs, attrs, backend)[0]
+
+
+CASES = [(name, "fp32") for name in [*MATRIX_OPS, "decode_attention"]] + [(name, "bf16") for name in MATRIX_OPS]
+
+
+@pytest.mark.parametrize("name, weights", CASES)
 @pytest.mark.parametrize("rows", [1, 12])
-def test_cuda_matches_cpu_at_model_size(name, rows):
+def test_cuda_matches_cpu_at_model_size(name, weights, rows):
+    """float32 weights: the FMA kernels; bf16: the tensor-core kernels, against the CPU on the same
+    bf16 values."""
     inputs, attrs = _inputs(name, np.random.default_rng(0), rows)
-    gpu, cpu = _run(name, inputs, attrs, "cuda"), _run(name, inputs, attrs, "cpu")
-    errors = [_rel_err(g, c) for g, c in zip(gpu, cpu)]
-    assert all(np.isfinite(e) and e < REL_TOL for e in errors), errors
+    error = _rel_err(_run(name, inputs, attrs, "cuda", weights), _run(name, inputs, attrs, "cpu", weights))
+    assert np.isfinite(error) and error < REL_TOL, error
 
 
-@pytest.mark.parametrize("name", ["norm_linear", "norm_swiglu", "linear_residual", "decode_attention"])
-def test_cuda_rows_do_not_depend_on_the_batch(name):
+@pytest.mark.parametrize("name, weights", CASES)
+def test_cuda_rows_do_not_depend_on_the_batch(name, weights):
     """A row's output is bit for bit the same computed alone or as row 4 of 9 (decode_attention:
     the last row of 3, fed with 3 tokens or alone with its first)."""
     inputs, attrs = _inputs(name, np.random.default_rng(1), 9)
-    together = _run(name, inputs, attrs, "cuda")[0]
+    together = _run(name, inputs, attrs, "cuda", weights)
     if name == "decode_attention":
         qkv, k_cache, v_cache, pos = inputs
-        alone = _run(name, (qkv[2:, :1], k_cache[2:], v_cache[2:], pos[2:]), attrs, "cuda")[0]
+        alone = _run(name, (qkv[2:, :1], k_cache[2:], v_cache[2:], pos[2:]), attrs, "cuda")
         assert np.array_equal(together[2, 0], alone[0, 0])
     else:
-        alone = _run(name, tuple(x[4:5] if x.ndim == 2 and x.shape[0] == 9 else x for x in inputs), attrs, "cuda")[0]
+        alone = _run(name, tuple(x[4:5] if x.ndim == 2 and x.shape[0] == 9 else x for x in inputs), attrs, "cuda",
+                     weights)
         assert np.array_equal(together[4], alone[0])
 
 
@@ -83,7 +96,7 @@ def test_sample_matches_cpu_at_model_size(temperature, top_k, top_p):
     inputs = (logits, tokens, drafts, rng.integers(0, 2**62, B), rng.integers(-1, 100, B), rng.integers(0, 400, B),
               *settings)
     attrs = {"max_pos": 512}
-    gpu, cpu = _run("sample", inputs, attrs, "cuda"), _run("sample", inputs, attrs, "cpu")
+    gpu, cpu = _outputs("sample", inputs, attrs, "cuda"), _outputs("sample", inputs, attrs, "cpu")
     for g, c in zip(gpu, cpu):
         np.testing.assert_allclose(g, c, rtol=1e-4, atol=1e-6)
 

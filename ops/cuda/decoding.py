@@ -1,7 +1,10 @@
 """Device code the CUDA decoding ops share.
 
-norm_linear, norm_swiglu and linear_residual: a warp per output column, reducing dot products over
-the input features for up to ROWS rows at a time; a block is WARPS such warps (columns).
+norm_linear, norm_swiglu and linear_residual have two kinds of kernels. For bf16 weights (the
+decoder's copy, and so every step `generate` runs), tensor-core kernels: see "bf16 weights on the
+tensor cores" below. For float32 weights, FMA kernels: a warp per output column, reducing dot
+products over the input features for up to ROWS rows at a time; a block is WARPS such warps
+(columns). The rest of this docstring is theirs.
 
 The features go in chunks of CHUNK = 8: lane l takes chunks l, l + 32, l + 64, ... of a row, in
 that order, and sums each chunk's products in element order; the warp then adds its lanes by a
@@ -25,10 +28,14 @@ kernel runs, and only the input rows are read after it. The first trip's weights
 for every group of rows; later trips, if any, are read again for each group (`load_trip`).
 """
 
-from numba import cuda, float32, int32, types
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, types, uint32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import SIMULATOR, WARP, prefetch_l2, stored, to_f32
+from nanoeuler_ops.cuda.runtime import (SIMULATOR, WARP, bf16x2_values, let_next_start, mma_bf16, pack_bf16x2,
+                                        prefetch_l2, quad_sum, stored, to_f32, wait_for_previous)
 
 WARPS = 2 if SIMULATOR else 4     # columns per block; two keep the simulator quick
 THREADS = WARPS * WARP
@@ -77,10 +84,11 @@ def column():
 
 
 @cuda.jit(device=True, inline=True)
-def load_trip(c, first, r0, C, trip):
-    """Whether a lane loads the weights of its trip from feature c for the group of rows from r0: it
-    keeps its first trip's (from `first`) for every group, unless a later trip replaced them."""
-    return r0 == 0 or c != first or first + trip * STEP < C
+def load_trip(c, first, r0, C, stride):
+    """Whether a lane loads the weights of its trip from feature c for the group of rows from r0 (its
+    trips `stride` features apart): it keeps its first trip's (from `first`) for every group, unless
+    a later trip replaced them."""
+    return r0 == 0 or c != first or first + stride < C
 
 
 @cuda.jit(device=True, inline=True)
@@ -105,7 +113,7 @@ if SIMULATOR:
 else:
     from numba.cuda.extending import overload
 
-    from nanoeuler_ops.cuda.runtime import bf16x2_values, float_from_bits, load_16_bytes
+    from nanoeuler_ops.cuda.runtime import float_from_bits, load_16_bytes
 
     def vector8(a, row, c):
         """a[row, c:c+8] as eight float32, by 16-byte loads (c a multiple of 8, the row aligned)."""
@@ -161,3 +169,243 @@ def dot(total, a, b):
     total += a[6] * b[6]
     total += a[7] * b[7]
     return total
+
+
+# ---------------------------------------------------------------- bf16 weights on the tensor cores
+# The kernels for bf16 weights multiply on the tensor cores (mma.sync m16n8k16, runtime's fragment
+# layout): the weights are the A operand, TILE = 16 output columns by 16 features, and the rows of
+# x the B operand, GROUP = 8 rows at a time. A block computes one tile of columns for every row; its
+# warps (NORM_WARPS, linear_residual's MMA_WARPS) split the features, BLOCK = 32 at a time: lane
+# 4i + t of a warp reads features c + 8t .. c + 8t + 7 of the tile's weight rows i and i + 8 and of
+# x's row i of the group, each a 16-byte load, and feeds them to two products (`mma_block`). Each
+# row of x goes in as two bf16 operands, hi + lo, x's first 16 significant bits of its 24: the
+# products of bf16 weights with them are exact, added in float32 (hi's and lo's sums apart). The
+# warps' sums then meet in shared memory, added in warp order. A row's result depends on nothing
+# but the row: the same operations in the same order for one row alone or among others (batch
+# invariance), with one kernel for every number of rows.
+#
+# Where the FMA kernels (above) ask for R rows' products lane by lane, an mma takes 8 rows' at once:
+# on an H100 a captured step of 4 tokens a row took 355 us against 305 for one token (FMA: 530
+# against 270). The weights of a block's first trip are loaded before the kernel waits for the one
+# ahead of it (`wait_for_previous`), as above. Measured there: 16 columns a block beat 8 (twice the
+# blocks, each holding as many registers), w_down's 2,048 features went faster over 16 warps than
+# over 8, and the norm kernels' 768 slower.
+
+TILE = 16       # output columns of a block: the rows of an mma's A operand
+GROUP = 8       # rows of x a product takes: the columns of its B operand
+BLOCK = 32      # features of a lane's two products
+
+
+def mma_warps(warps: int) -> int:
+    """A kernel's warps a block: `warps` on a GPU, two on the simulator (quick, and still two to add).
+    Kernels pass it to the helpers below as a constant, so that their loops over warps unroll."""
+    return 2 if SIMULATOR else warps
+
+
+@cuda.jit(device=True, inline=True)
+def mma_lane():
+    """This thread's warp in the block and its lane 4i + t as (i, t)."""
+    lane = cuda.threadIdx.x % WARP
+    return cuda.threadIdx.x // WARP, lane // 4, lane % 4
+
+
+@cuda.jit(device=True, inline=True)
+def trip_feature(c0, j, warp, t, warps):
+    """The first feature a lane reads for block j of the trip from feature c0: a trip's blocks go to the
+    block's `warps` warps in turn, so that every warp has a share of a row however short."""
+    return c0 + (j * warps + warp) * BLOCK + 8 * t
+
+
+@cuda.jit(device=True, inline=True)
+def tile_rows(w, first, i):
+    """The weight rows of lane i's A operand in the tile from row `first`: i and i + 8, held at w's
+    last row past its end (their results are never stored)."""
+    last = w.shape[0] - 1
+    return min(first + i, last), min(first + i + 8, last)
+
+
+if SIMULATOR:
+    def words8(a, row, c):
+        return tuple(np.uint32(a[row, c + 2 * e]) | np.uint32(a[row, c + 2 * e + 1]) << np.uint32(16)
+                     for e in range(4))
+else:
+    @cuda.jit(device=True, inline=True)
+    def words8(a, row, c):
+        """The bf16 a[row, c:c+8] as four uint32 (element c in the first's low half), one 16-byte load."""
+        return load_16_bytes(a, row * a.shape[1] + c)
+
+
+@cuda.jit(device=True, inline=True)
+def load_words(weights, j, w, top, bottom, c):
+    """weights[j] <- the bf16 w[top, c:c+8] and w[bottom, c:c+8] as eight uint32, zeros where c is past
+    the rows' end (no branch): a lane's A operands of `mma_block`."""
+    C = w.shape[1]
+    first = min(c, C - CHUNK)
+    a, b = words8(w, top, first), words8(w, bottom, first)
+    keep = c < C
+    for e in range(4):
+        weights[j, e] = a[e] if keep else uint32(0)
+        weights[j, 4 + e] = b[e] if keep else uint32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def row_chunk(x, n, c):
+    """x[n, c:c+8] as eight float32; zeros for a row n past x's last."""
+    v = chunk(x, min(n, x.shape[0] - 1), c)
+    keep = n < x.shape[0]
+    zero = float32(0.0)
+    return (v[0] if keep else zero, v[1] if keep else zero, v[2] if keep else zero, v[3] if keep else zero,
+            v[4] if keep else zero, v[5] if keep else zero, v[6] if keep else zero, v[7] if keep else zero)
+
+
+@cuda.jit(device=True, inline=True)
+def normed_chunk(x, g, n, c, sum_squares):
+    """x[n, c:c+8] * g[0, c:c+8] (`row_chunk`: a lane's features of its row, scaled by the norm's gains),
+    and sum_squares + the squares of x[n, c:c+8]."""
+    v = row_chunk(x, n, c)
+    return product(v, chunk(g, 0, c)), dot(sum_squares, v, v)
+
+
+@cuda.jit(device=True, inline=True)
+def split(a, b):
+    """Two float32 as two bf16x2 words (hi, lo), a ~ hi + lo to 16 significant bits (a in the low halves)."""
+    hi = pack_bf16x2(a, b)
+    a_hi, b_hi = bf16x2_values(hi)
+    return hi, pack_bf16x2(a - a_hi, b - b_hi)
+
+
+@cuda.jit(device=True, inline=True)
+def mma4(weights, j, first, b0, b1, acc):
+    """acc + A B, A from weights[j]'s words first and first + 1 of both rows."""
+    return mma_bf16(weights[j, first], weights[j, 4 + first], weights[j, first + 1], weights[j, 5 + first], b0, b1,
+                    acc[0], acc[1], acc[2], acc[3])
+
+
+@cuda.jit(device=True, inline=True)
+def mma_block(acc, weights, j, v):
+    """acc (the sums of the hi and lo parts, `no_sums`) + the products of block j of `weights`
+    (load_words) with a lane's eight features v of its row. The first product takes the features
+    c + 8t + e for e = 0..3, the second e = 4..7: e = 0, 1 as k = 2t, 2t + 1 and e = 2, 3 as
+    k = 2t + 8, 2t + 9, in A as in B, so that the products add to the dot product over the block."""
+    h0, l0 = split(v[0], v[1])
+    h1, l1 = split(v[2], v[3])
+    h2, l2 = split(v[4], v[5])
+    h3, l3 = split(v[6], v[7])
+    return (mma4(weights, j, 2, h2, h3, mma4(weights, j, 0, h0, h1, acc[0])),
+            mma4(weights, j, 2, l2, l3, mma4(weights, j, 0, l0, l1, acc[1])))
+
+
+@cuda.jit(device=True, inline=True)
+def no_sums():
+    """An mma's four float32 sums for the hi parts and for the lo parts, before their first product."""
+    zero = float32(0.0)
+    sums = zero, zero, zero, zero
+    return sums, sums
+
+
+@cuda.jit(device=True, inline=True)
+def share_sums(sums, slot, warp, acc):
+    """Leave this lane's four results (its D fragment: hi's sums + lo's) in sums[warp, slot]."""
+    lane = cuda.threadIdx.x % WARP
+    for k in range(4):
+        sums[warp, slot, k, lane] = acc[0][k] + acc[1][k]
+
+
+@cuda.jit(device=True, inline=True)
+def share_squares(squares, warp, i, t, sum_squares):
+    """Leave the sum of squares of a warp's features of row i (the lanes 4i + t hold parts of it) in
+    squares[warp, i]."""
+    total = quad_sum(sum_squares)
+    if t == 0:
+        squares[warp, i] = total
+
+
+@cuda.jit(device=True, inline=True)
+def tile_entry(e):
+    """Entry e of a block's results (TILE columns x GROUP rows): its column and row in the tile, and
+    the lane and register of the D fragments holding it."""
+    col, n = e // GROUP, e % GROUP
+    return col, n, 4 * (col % 8) + n // 2, 2 * (col // 8) + n % 2
+
+
+@cuda.jit(device=True, inline=True)
+def warps_total(sums, slot, lane, k, warps):
+    """The `warps` warps' sums (share_sums) of one result, added in warp order."""
+    total = float32(0.0)
+    for warp in range(warps):
+        total += sums[warp, slot, k, lane]
+    return total
+
+
+@cuda.jit(device=True, inline=True)
+def row_rstd(squares, n, features, eps, warps):
+    """1 / the root mean square of row n of the group, from the `warps` warps' sums of squares (share_squares)."""
+    total = float32(0.0)
+    for warp in range(warps):
+        total += squares[warp, n]
+    return float32(1.0) / math.sqrt(total / float32(features) + eps)
+
+
+@cuda.jit(device=True, inline=True)
+def swiglu(gate, up):
+    """silu(gate) * up."""
+    sigmoid = float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * gate))  # no overflow for large -gate
+    return gate * sigmoid * up
+
+
+NORM_WARPS = mma_warps(8)   # warps of a norm_tiles block
+NORM_TRIP = 3   # blocks of features a warp asks for at once: 8 warps x 3 x 32, the `gpu` preset's 768
+
+
+@cuda.jit(cache=True)
+def norm_tiles(x, g, w, features, eps, tiles, y):
+    # x (N, C), g (1, C), w (T O, C) bf16 -> y (N, O), C >= features (the rest zeros), T = len(tiles):
+    # 1, y = rmsnorm(x; g) @ w.T (norm_linear); 2, y = swiglu of rmsnorm(x; g) @ w[:O].T and @ w[O:].T
+    # (norm_swiglu). Block b computes y[:, 16b:16b+16] on the tensor cores, GROUP rows at a time.
+    N, C = x.shape
+    O = y.shape[1]
+    T = len(tiles)
+    warp, i, t = mma_lane()
+    top, bottom = tile_rows(w[:O], cuda.blockIdx.x * TILE, i)
+    weights = cuda.local.array((2, NORM_TRIP, 8), uint32)
+    sums = cuda.shared.array((NORM_WARPS, 2, 4, WARP), float32)
+    squares = cuda.shared.array((NORM_WARPS, GROUP), float32)
+    let_next_start()
+    stride = NORM_WARPS * NORM_TRIP * BLOCK
+    for r0 in range(0, N, GROUP):
+        first = second = no_sums()
+        sum_squares = float32(0.0)
+        for c0 in range(0, C, stride):   # loads first
+            if load_trip(c0, 0, r0, C, stride):
+                for j in range(NORM_TRIP):
+                    c = trip_feature(c0, j, warp, t, NORM_WARPS)
+                    for tile in range(T):
+                        load_words(weights[tile], j, w, tile * O + top, tile * O + bottom, c)
+            if r0 == 0 and c0 == 0:   # the first trip's weights were asked for before
+                wait_for_previous()
+            for j in range(NORM_TRIP):
+                v, sum_squares = normed_chunk(x, g, r0 + i, trip_feature(c0, j, warp, t, NORM_WARPS), sum_squares)
+                first = mma_block(first, weights[0], j, v)
+                if T == 2:
+                    second = mma_block(second, weights[1], j, v)
+        share_sums(sums, 0, warp, first)
+        if T == 2:
+            share_sums(sums, 1, warp, second)
+        share_squares(squares, warp, i, t, sum_squares)
+        cuda.syncthreads()
+        for e in range(cuda.threadIdx.x, TILE * GROUP, NORM_WARPS * WARP):
+            col, m, lane, k = tile_entry(e)
+            o, n = cuda.blockIdx.x * TILE + col, r0 + m
+            if o < O and n < N:
+                rstd = row_rstd(squares, m, features, eps, NORM_WARPS)
+                total = warps_total(sums, 0, lane, k, NORM_WARPS) * rstd
+                if T == 2:
+                    total = swiglu(total, warps_total(sums, 1, lane, k, NORM_WARPS) * rstd)
+                y[n, o] = stored(y, total)
+        cuda.syncthreads()   # before the next group's sums
+
+
+def launch_norm_tiles(x, g, w, eps, tiles: int, y) -> None:
+    """norm_tiles on x, g and w (bf16) into y, T = tiles matrices stacked in w."""
+    runtime.launch(norm_tiles, runtime.blocks_for(y.shape[1], TILE), NORM_WARPS * WARP, in_chunks(x), in_chunks(g),
+                   in_chunks(w), x.shape[1], float32(eps), (int32(0),) * tiles, y, overlap=True)

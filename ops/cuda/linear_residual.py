@@ -1,17 +1,22 @@
 """Residual linear update for decoding on the GPU. See nanoeuler_ops/linear_residual.py for the
-math and nanoeuler_ops.cuda.decoding.py for the layout of the work (the warp of column o computes
-y[:, o]). Any input may be float32 or bf16 (the decoder's bf16 weights beside float32
-activations), read as float32 and accumulated in float32; y has r's storage."""
+math and nanoeuler_ops.cuda.decoding.py for the layout of the work: for float32 weights the warp of
+column o computes y[:, o]; for bf16 weights (the decoder's) a block per 16 columns computes them on
+the tensor cores. x and r may be float32 or bf16, read as float32 and accumulated in float32; y has
+r's storage."""
 
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column,
-                                         dot, in_chunks, load_trip, no_chunk, prefetch_row, row_group)
-from nanoeuler_ops.cuda.runtime import let_next_start, stored, to_f32, wait_for_previous, warp_sum
+from nanoeuler_ops.cuda.decoding import (BLOCK, CHUNK, GROUP, ROWS, STEP, THREADS, TILE, WARP, WARPS,
+                                         chunk, column, dot, in_chunks, load_trip, load_words, mma_block, mma_lane,
+                                         mma_warps, no_chunk, no_sums, prefetch_row, row_chunk, row_group,
+                                         share_sums, tile_entry, tile_rows, trip_feature, warps_total)
+from nanoeuler_ops.cuda.runtime import BF16, let_next_start, stored, to_f32, wait_for_previous, warp_sum
 from nanoeuler_ops.linear_residual import check_shapes
 
 TRIP = 8   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
+MMA_WARPS = mma_warps(16)   # warps of a tensor-core block
+MMA_TRIP = 4   # blocks of features a warp asks for at once: 16 warps x 4 x 32, w_down's 2,048
 
 
 @cuda.jit(device=True, inline=True)
@@ -37,7 +42,7 @@ def _forward(x, w, res, group, y):
         for r in range(R):
             dots[r] = 0.0
         for c in range(first, I, TRIP * STEP):   # loads first
-            if load_trip(c, first, r0, I, TRIP):
+            if load_trip(c, first, r0, I, TRIP * STEP):
                 w0, w1, w2, w3, w4, w5, w6, w7 = weight_trip(w, o, c)
             if r0 == 0 and c == first:   # the first trip's weights were asked for before
                 wait_for_previous()
@@ -55,9 +60,44 @@ def _forward(x, w, res, group, y):
                     y[r0 + r, o] = stored(y, to_f32(res[r0 + r, o]) + total)
 
 
+@cuda.jit(cache=True)
+def _forward_mma(x, w, res, y):
+    # x (N, I), w (O, I) bf16, res (N, O) -> y (N, O) = res + x @ w.T (I past the features: zeros);
+    # block b computes y[:, 16b:16b+16] on the tensor cores, GROUP rows at a time
+    N, I = x.shape
+    warp, i, t = mma_lane()
+    top, bottom = tile_rows(w, cuda.blockIdx.x * TILE, i)
+    weights = cuda.local.array((MMA_TRIP, 8), uint32)
+    sums = cuda.shared.array((MMA_WARPS, 1, 4, WARP), float32)
+    let_next_start()
+    stride = MMA_WARPS * MMA_TRIP * BLOCK
+    for r0 in range(0, N, GROUP):
+        acc = no_sums()
+        for c0 in range(0, I, stride):   # loads first
+            if load_trip(c0, 0, r0, I, stride):
+                for j in range(MMA_TRIP):
+                    load_words(weights, j, w, top, bottom, trip_feature(c0, j, warp, t, MMA_WARPS))
+            if r0 == 0 and c0 == 0:   # the first trip's weights were asked for before
+                wait_for_previous()
+            for j in range(MMA_TRIP):
+                acc = mma_block(acc, weights, j, row_chunk(x, r0 + i, trip_feature(c0, j, warp, t, MMA_WARPS)))
+        share_sums(sums, 0, warp, acc)
+        cuda.syncthreads()
+        for e in range(cuda.threadIdx.x, TILE * GROUP, MMA_WARPS * WARP):
+            col, m, lane, k = tile_entry(e)
+            o, n = cuda.blockIdx.x * TILE + col, r0 + m
+            if o < w.shape[0] and n < N:
+                y[n, o] = stored(y, to_f32(res[n, o]) + warps_total(sums, 0, lane, k, MMA_WARPS))
+        cuda.syncthreads()   # before the next group's sums
+
+
 def forward(x, w, r):
     check_shapes(x, w, r)
     y = runtime.empty(r.shape, r.dtype)
-    runtime.launch(_forward, runtime.blocks_for(w.shape[0], WARPS), THREADS, in_chunks(x), in_chunks(w), r,
-                   row_group(x.shape[0]), y, overlap=True)
+    if w.dtype == BF16:
+        runtime.launch(_forward_mma, runtime.blocks_for(w.shape[0], TILE), MMA_WARPS * WARP, in_chunks(x), in_chunks(w),
+                       r, y, overlap=True)
+    else:
+        runtime.launch(_forward, runtime.blocks_for(w.shape[0], WARPS), THREADS, in_chunks(x), in_chunks(w), r,
+                       row_group(x.shape[0]), y, overlap=True)
     return y, ()

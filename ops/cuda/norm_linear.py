@@ -1,10 +1,11 @@
 """RMSNorm + linear for decoding on the GPU. See nanoeuler_ops/norm_linear.py for the math and
 nanoeuler_ops.cuda.decoding.py for the layout of the work.
 
-The warp of column o computes y[:, o]: each lane walks its chunks of features once per group of
-rows, accumulating both the dot products with w[o] * g and the sums of squares; rstd is applied at
-the end. Any input may be float32 or bf16 (the decoder's bf16 weights beside float32 activations),
-read as float32 and accumulated in float32; y has x's storage.
+Float32 weights: the warp of column o computes y[:, o]: each lane walks its chunks of features once
+per group of rows, accumulating both the dot products with w[o] * g and the sums of squares; rstd
+is applied at the end. bf16 weights (the decoder's): decoding.norm_tiles, on the tensor cores, a
+block per 16 columns, the products of w with x * g, rstd applied at the end. x and g may be float32 or bf16, read as
+float32 and accumulated in float32; y has x's storage.
 """
 
 import math
@@ -12,9 +13,9 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column,
-                                         dot, in_chunks, load_trip, no_chunk, prefetch_row, product, row_group)
-from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
+from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
+                                         launch_norm_tiles, load_trip, no_chunk, prefetch_row, product, row_group)
+from nanoeuler_ops.cuda.runtime import BF16, let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_linear import check_shapes
 
 TRIP = 4   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
@@ -47,7 +48,7 @@ def _forward(x, g, w, features, eps, group, y):
             dots[r] = 0.0
             squares[r] = 0.0
         for c in range(first, C, TRIP * STEP):   # loads first
-            if load_trip(c, first, r0, C, TRIP):
+            if load_trip(c, first, r0, C, TRIP * STEP):
                 w0, w1, w2, w3 = weight_trip(w, g, o, c)
             if r0 == 0 and c == first:   # the first trip's weights were asked for before
                 wait_for_previous()
@@ -70,6 +71,9 @@ def _forward(x, g, w, features, eps, group, y):
 def forward(x, g, w, *, eps):
     check_shapes(x, g, w)
     y = runtime.empty((x.shape[0], w.shape[0]), x.dtype)
-    runtime.launch(_forward, runtime.blocks_for(w.shape[0], WARPS), THREADS, in_chunks(x), in_chunks(g),
-                   in_chunks(w), x.shape[1], float32(eps), row_group(x.shape[0]), y, overlap=True)
+    if w.dtype == BF16:
+        launch_norm_tiles(x, g, w, eps, 1, y)
+    else:
+        runtime.launch(_forward, runtime.blocks_for(w.shape[0], WARPS), THREADS, in_chunks(x), in_chunks(g),
+                       in_chunks(w), x.shape[1], float32(eps), row_group(x.shape[0]), y, overlap=True)
     return y, ()

@@ -1,9 +1,10 @@
 """RMSNorm + gate/up projections + SwiGLU for decoding on the GPU. See nanoeuler_ops/norm_swiglu.py
 for the math and nanoeuler_ops.cuda.decoding.py for the layout of the work.
 
-The warp of column f computes y[:, f] from the gate row w[f] and the up row w[F + f], read side by
-side. Any input may be float32 or bf16 (the decoder's bf16 weights beside float32 activations),
-read as float32 and accumulated in float32; y has x's storage.
+Float32 weights: the warp of column f computes y[:, f] from the gate row w[f] and the up row
+w[F + f], read side by side. bf16 weights (the decoder's): decoding.norm_tiles, on the tensor
+cores, a block per 16 columns, its gate rows and its up rows side by side. x and g may be float32 or bf16, read as
+float32 and accumulated in float32; y has x's storage.
 """
 
 import math
@@ -11,9 +12,10 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot,
-                                         in_chunks, load_trip, no_chunk, prefetch_row, product, row_group)
-from nanoeuler_ops.cuda.runtime import let_next_start, stored, wait_for_previous, warp_sum
+from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
+                                         launch_norm_tiles, load_trip, no_chunk, prefetch_row, product, row_group,
+                                         swiglu)
+from nanoeuler_ops.cuda.runtime import BF16, let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_swiglu import check_shapes
 
 TRIP = 3   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
@@ -51,7 +53,7 @@ def _forward(x, g, w, features, eps, group, y):
             ups[r] = 0.0
             squares[r] = 0.0
         for c in range(first, C, TRIP * STEP):   # loads first
-            if load_trip(c, first, r0, C, TRIP):
+            if load_trip(c, first, r0, C, TRIP * STEP):
                 gate0, gate1, gate2, up0, up1, up2 = weight_trip(w, g, f, F, c)
             if r0 == 0 and c == first:   # the first trip's weights were asked for before
                 wait_for_previous()
@@ -66,15 +68,16 @@ def _forward(x, g, w, features, eps, group, y):
                 gate, up, sum_squares = warp_sum(gates[r]), warp_sum(ups[r]), warp_sum(squares[r])
                 if lane == 0 and column_ == f:
                     rstd = float32(1.0) / math.sqrt(sum_squares / float32(features) + eps)
-                    z = gate * rstd
-                    sigmoid = float32(0.5) * (float32(1.0) + math.tanh(float32(0.5) * z))  # no overflow for large -z
-                    y[r0 + r, f] = stored(y, z * sigmoid * (up * rstd))
+                    y[r0 + r, f] = stored(y, swiglu(gate * rstd, up * rstd))
 
 
 def forward(x, g, w, *, eps):
     check_shapes(x, g, w)
     F = w.shape[0] // 2
     y = runtime.empty((x.shape[0], F), x.dtype)
-    runtime.launch(_forward, runtime.blocks_for(F, WARPS), THREADS, in_chunks(x), in_chunks(g), in_chunks(w),
-                   x.shape[1], float32(eps), row_group(x.shape[0]), y, overlap=True)
+    if w.dtype == BF16:
+        launch_norm_tiles(x, g, w, eps, 2, y)
+    else:
+        runtime.launch(_forward, runtime.blocks_for(F, WARPS), THREADS, in_chunks(x), in_chunks(g), in_chunks(w),
+                       x.shape[1], float32(eps), row_group(x.shape[0]), y, overlap=True)
     return y, ()
