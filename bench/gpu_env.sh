@@ -1,7 +1,7 @@
 # Sourced by the GPU scripts (bench/run_gpu*.sh): makes a fresh GPU machine ready on the first try.
 #
-# On a machine with NVIDIA GPUs and the wheels in .whl/ (../shared/device/wheels.sh fills it; the
-# machine itself reaches no registry), they and the project go into a virtual environment at
+# On a machine with NVIDIA GPUs and the wheels in .whl/ (bench/gpu_wheels.sh fills it on a machine with a
+# package registry; this one reaches none), they and the project go into a virtual environment at
 # $NE_VENV (/tmp/ne-venv) that also sees the image's own packages (torch, llvmlite, cuda-bindings):
 # `pip install --target` would keep MPICH's mpiexec but drop its libmpi, and mpi4py would then load
 # another MPI, where every process is a job of one. Elsewhere the current Python is used as it is.

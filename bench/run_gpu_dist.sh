@@ -3,7 +3,7 @@
 # training step with the NCCL all-reduce inside (one rank) and with ZeRO-1, timed against the plain
 # step (interleaved repeats, the same warm GPU), gradient accumulation on the GPU against one big
 # batch, the CLI end to end under mpiexec, and the GPU tests. Logs go to LOG_DIR.
-# Needs the [dist-cuda] packages (bench/RESULTS.md, "Data-parallel training: GPU set-up").
+# Needs the [dist-cuda] packages (docs/gpu-setup.md: bench/gpu_wheels.sh --dist).
 #   bash bench/run_gpu_dist.sh [LOG_DIR]
 set -uo pipefail
 log_dir=${1:-gpu-logs-dist}

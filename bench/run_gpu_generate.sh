@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fast generation on a GPU (issue 10), in one go: the decoding tests on the GPU, the CUDA selftest
+# Fast generation on a GPU, in one go: the decoding tests on the GPU, the CUDA selftest
 # lines of the decoding ops, a `gpu`-preset model trained 300 steps on the bundled corpus (unless
 # a run directory is given), then the decoding benchmark against PyTorch (batch 1, 16-token
 # prompt, 256 new tokens, greedy; then batch 8, and sampling) and a final table.
