@@ -14,7 +14,7 @@ from nanoeuler_core import registry
 from nanoeuler_core.cli import warm
 from nanoeuler_core.cli.evaluate import hellaswag_file
 from nanoeuler_core.eval import hellaswag
-from nanoeuler_core.inference.decode import DecodeStats
+from nanoeuler_core.inference.decoder import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling, generate_batch, prompt_ids
 from nanoeuler_core.inference.generate import generate as generate_text
 from nanoeuler_core.inference.loading import load_model

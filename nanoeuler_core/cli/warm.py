@@ -80,7 +80,7 @@ def warm(preset: str, backend: str, precision: str, recompute: bool, capture: bo
     loss, then (after printing STEP_READY) a few sampled tokens."""
     from nanoeuler_core.engine.config import ModelConfig
     from nanoeuler_core.engine.optim import AdamW
-    from nanoeuler_core.inference.decode import Sampling, decoder_for
+    from nanoeuler_core.inference.decoder import Sampling, decoder_for
     from nanoeuler_core.inference.model import Model
     from nanoeuler_core.training.step import TrainStep
 
