@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import nanoeuler_core
 from nanoeuler_core import Model, ModelConfig, registry
 from nanoeuler_core.engine.gradcheck import run_backend, stored_values
 from nanoeuler_core.engine.optim import AdamW
@@ -423,10 +424,11 @@ def text_model(tok):
 def test_text_api(text_model, tok):
     model = text_model
     assert generate(model, tok, "It was", max_new_tokens=12, temperature=0.9, seed=4) == \
-        model.generate(tok, "It was", max_new_tokens=12, temperature=0.9, seed=4)      # seeded: reproducible
-    batch = model.generate_batch(tok, ["It was", "Add 2 and 3", ""], max_new_tokens=12, temperature=0.9, seed=4)
+        nanoeuler_core.generate(model, tok, "It was", max_new_tokens=12, temperature=0.9, seed=4)   # reproducible
+    prompts = ["It was", "Add 2 and 3", ""]
+    batch = nanoeuler_core.generate_batch(model, tok, prompts, max_new_tokens=12, temperature=0.9, seed=4)
     assert batch == [generate(model, tok, p, max_new_tokens=12, temperature=0.9, seed=4 + i)
-                     for i, p in enumerate(["It was", "Add 2 and 3", ""])]
+                     for i, p in enumerate(prompts)]
     pieces = []
     assert generate(model, tok, "It", max_new_tokens=10, temperature=0.0, on_text=pieces.append) == "".join(pieces)
     stats = DecodeStats()

@@ -120,8 +120,8 @@ def pretrain(
             warmer.wait_for_decoding()
         typer.echo(f"--- sample ({sample_prompt!r}, temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}) ---")
         typer.echo(sample_prompt, nl=False)
-        run.model.generate(run.tok, sample_prompt, max_new_tokens=200, temperature=SAMPLE_TEMPERATURE,
-                           top_k=SAMPLE_TOP_K, seed=run.config.seed, on_text=stream_text)
+        generate_text(run.model, run.tok, sample_prompt, max_new_tokens=200, temperature=SAMPLE_TEMPERATURE,
+                      top_k=SAMPLE_TOP_K, seed=run.config.seed, on_text=stream_text)
         typer.echo("")
 
 
