@@ -30,7 +30,7 @@ import numpy as np
 from numba import cuda
 
 from nanoeuler_core.bench.generation import load_weights
-from nanoeuler_core.inference.decode import Sampling, decoder_for
+from nanoeuler_core.inference.decoder import Sampling, decoder_for
 
 POSITION = 200   # where every row's next token goes (at most half the context)
 STEPS = 50       # steps a timing runs
@@ -83,20 +83,20 @@ def main() -> None:
     decoder.generate([prompt] * rows, 32, list(range(rows)))   # compiles and captures the steps (the policy's: every width)
     decoder._set_width(width)
     # a captured step over the rows at this width (one per mailbox; either)
-    replay = next(run for key, run in decoder._replays.items() if key[:2] == (rows, width))
+    replay = next(run for key, run in decoder.launcher.replays.items() if key[:2] == (rows, width))
     be = decoder.be
     if args.ncu:
-        be.copy_(decoder.pos, np.full(rows, position))
+        be.copy_(decoder.cache.pos, np.full(rows, position))
         cuda.profile_start()
         for _ in range(3):
             replay()
         be.synchronize()
         cuda.profile_stop()
         return
-    for label, step in (("replay", replay), ("step with host work", lambda: decoder._advance(rows, width))):
+    for label, step in (("replay", replay), ("step with host work", lambda: decoder.launcher.run(rows, width))):
         times = []
         for _ in range(7):
-            be.copy_(decoder.pos, np.full(rows, position))
+            be.copy_(decoder.cache.pos, np.full(rows, position))
             be.synchronize()
             start = time.perf_counter()
             for _ in range(STEPS):

@@ -12,7 +12,7 @@ import argparse
 import numpy as np
 
 from nanoeuler_core.bench.generation import run_corpus
-from nanoeuler_core.inference.decode import Sampling, decoder_for
+from nanoeuler_core.inference.decoder import Sampling, decoder_for
 from nanoeuler_core.inference.loading import load_model
 
 

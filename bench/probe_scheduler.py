@@ -2,7 +2,7 @@
 import sys, threading, time
 from pathlib import Path
 from nanoeuler_core.inference.loading import load_model
-from nanoeuler_core.inference.decode import Sampling
+from nanoeuler_core.inference.decoder import Sampling
 from nanoeuler_core.serving.scheduler import Scheduler, Job, Done, Failed
 
 run, backend, rows, clients, dur = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])

@@ -1,6 +1,8 @@
 """nanoeuler: a GPT-2-class language model trained by a hand-written Numba engine.
 
-    from nanoeuler_core import ModelConfig, Model, Tokenizer
+    from nanoeuler_core import ModelConfig, Model, Tokenizer, generate, generate_batch, chat
+
+    generate(model, tok, "It was", max_new_tokens=50, temperature=0.8, top_k=40, seed=0)
 """
 
 import os
@@ -18,15 +20,23 @@ for _name in THREAD_ENV_SET_HERE:
     os.environ[_name] = THREAD_ENV[_name]
 
 from nanoeuler_core.engine.config import ModelConfig  # noqa: E402
-from nanoeuler_core.inference.model import Model  # noqa: E402
+from nanoeuler_core.engine.model import Model  # noqa: E402
 
-__all__ = ["ModelConfig", "Model", "Tokenizer"]
+__all__ = ["ModelConfig", "Model", "Tokenizer", "generate", "generate_batch", "chat"]
 
 
 def __getattr__(name):
-    # The tokenizer is imported on first use: starting the engine does not need it.
+    # The tokenizer, generation and chat are imported on first use: starting the engine needs none of them.
     if name == "Tokenizer":
         from nanoeuler_core.text.tokenizer import Tokenizer
 
         return Tokenizer
+    if name in ("generate", "generate_batch"):
+        from nanoeuler_core.inference import generate
+
+        return getattr(generate, name)
+    if name == "chat":
+        from nanoeuler_core.inference.chat import chat
+
+        return chat
     raise AttributeError(f"module 'nanoeuler_core' has no attribute {name!r}")

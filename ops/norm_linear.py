@@ -7,7 +7,7 @@ Shapes: x (N, C), g (C,), w (O, C) -> y (N, O); attrs eps; saved ().
 
 Batch-invariant, as every decoding op: a backend computes row n of y with the same operations
 in the same order whatever N is and wherever the row sits, so a token's result does not depend
-on the tokens decoded beside it (nanoeuler_core/inference/decode.py says why that matters).
+on the tokens decoded beside it (docs/decoding.md says why that matters).
 The decoder reads the attention's q, k and v projections (w = [wq; wk; wv]) and the output heads
 (w = [heads.0; heads.1; ...]) through it.
 """

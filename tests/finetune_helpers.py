@@ -6,7 +6,7 @@ import typer
 
 from nanoeuler_core.cli import finetune
 from nanoeuler_core.engine.config import ModelConfig
-from nanoeuler_core.inference.model import Model
+from nanoeuler_core.engine.model import Model
 
 TINY = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=48, ctx_len=96, n_mtp=2)
 

@@ -1,5 +1,5 @@
 """Chat: the conversation templates (Alpaca, and Jinja ones from a run or a file), dropping the
-oldest turns to fit, `chat`, `Model.chat`, and the `chat` command with piped input, for fine-tuned
+oldest turns to fit, `chat` (also as exported by nanoeuler_core), and the `chat` command with piped input, for fine-tuned
 and plain pretrained runs. (tests/test_interop.py checks Jinja rendering against transformers.)"""
 
 import json
@@ -7,6 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+import nanoeuler_core
 from nanoeuler_core.inference.chat import Conversation, chat, check_messages, fit_context, render
 from nanoeuler_core.inference.chat import render_prompt
 from nanoeuler_core.inference.generate import generate
@@ -81,10 +82,10 @@ def test_chat_replies_with_the_model_greedy_continuation(chat_run):
     model, tok = load_model(chat_run)
     messages = [user("Reverse the word: night")]
     reply = chat(model, tok, messages, max_new_tokens=8, temperature=0.0)
-    assert reply == model.generate(tok, render(messages), max_new_tokens=8, temperature=0.0)
+    assert reply == generate(model, tok, render(messages), max_new_tokens=8, temperature=0.0)
     pieces = []
     assert chat(model, tok, messages, max_new_tokens=8, temperature=0.0, on_text=pieces.append) == "".join(pieces)
-    assert model.chat(tok, messages, max_new_tokens=8, temperature=0.0) == reply
+    assert nanoeuler_core.chat(model, tok, messages, max_new_tokens=8, temperature=0.0) == reply
 
 
 def test_conversation_keeps_turns_until_reset(chat_run):
@@ -114,7 +115,7 @@ def test_chat_command_continues_text_for_a_pretrained_run(tmp_path, tok):  # noq
     result = CliRunner().invoke(cli(), ["chat", str(run), "--temperature", "0", "--max-new-tokens", "5"],
                                 input="It was\n")
     assert result.exit_code == 0, result.output
-    assert result.stdout == "It was" + model.generate(loaded, "It was", max_new_tokens=5, temperature=0.0) + "\n"
+    assert result.stdout == "It was" + generate(model, loaded, "It was", max_new_tokens=5, temperature=0.0) + "\n"
 
 
 def test_chat_command_bad_input(tmp_path, chat_run):

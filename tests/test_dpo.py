@@ -12,7 +12,7 @@ from nanoeuler_core import registry
 from nanoeuler_core.training import dpo
 from nanoeuler_core.engine.checkpoint import read_json
 from nanoeuler_core.engine.config import ModelConfig
-from nanoeuler_core.inference.model import Model
+from nanoeuler_core.engine.model import Model
 from nanoeuler_core.inference.loading import load_model
 from finetune_helpers import TINY, cli, make_base_run, write_jsonl
 

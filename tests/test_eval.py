@@ -15,7 +15,7 @@ import pytest
 from nanoeuler_core.cli import main
 from nanoeuler_core.corpus import downloads as datasets
 from nanoeuler_core.engine.config import ModelConfig
-from nanoeuler_core.inference.model import Model
+from nanoeuler_core.engine.model import Model
 from nanoeuler_core.eval import curves, hellaswag
 from nanoeuler_core.text.tokenizer import Tokenizer
 

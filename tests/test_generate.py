@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import nanoeuler_core
 from nanoeuler_core import Model, ModelConfig, registry
 from nanoeuler_core.engine.gradcheck import run_backend, stored_values
 from nanoeuler_core.engine.optim import AdamW
 from nanoeuler_core.training.step import TrainStep
-from nanoeuler_core.inference.decode import DecodeStats, Decoder, Sampling, decoder_for
+from nanoeuler_core.inference.decoder import DecodeStats, Decoder, Sampling, decoder_for
+from nanoeuler_core.inference.decoder.speculation import SpeculationPolicy
 from nanoeuler_core.inference.generate import generate, generate_batch
 from nanoeuler_ops.sample import warped
 
@@ -156,7 +158,7 @@ def test_policy_runs_the_faster_mode(cycle_model, wide_seconds, speculates):
     plainly where speculating costs more per token than it gains, and speculates where it pays
     (this model's heads agree with head 0 most of the time); greedy tokens are plain decoding's."""
     decoder = Decoder(cycle_model, 4, None, Sampling(0.0))
-    decoder.step_seconds = {(n, W): 1.0 if W == 1 else wide_seconds for n in (1, 2, 4) for W in (1, 2, 3)}
+    decoder.policy.step_seconds = {(n, W): 1.0 if W == 1 else wide_seconds for n in (1, 2, 4) for W in (1, 2, 3)}
     stats = DecodeStats()
     assert decoder.generate(PROMPTS, 50, [0, 1, 2, 3], stats=stats) == decode(cycle_model, PROMPTS, 50, False)
     assert stats.mode == ("speculative" if speculates else "plain")
@@ -164,23 +166,24 @@ def test_policy_runs_the_faster_mode(cycle_model, wide_seconds, speculates):
     assert ("proposals accepted" if speculates else "plain decoding") in stats.line()
 
 
-def test_policy_takes_a_wider_step_only_past_the_margin(cycle_model):
+def test_policy_takes_a_wider_step_only_past_the_margin():
     """Measured times carry noise: a wider step must promise SPECULATION_MARGIN more tokens per
     second than a plain one, and a wider step timed below a narrower one counts as the narrower
     one's time. With proposal 1 kept 9 times in 100 offers (10 in 101 with the optimistic start: 1.10
     tokens a width-2 step), a width-2 step timed 10% slower than plain gains nothing (plain is kept);
     one timed as fast, or faster, gains 10% (it is taken). With proposal 1 never kept, even a width-2
-    step timed 10% faster than plain gains 1%: plain is kept."""
-    decoder = Decoder(cycle_model, 1, None, Sampling(0.0))
-    decoder.offered[:], decoder.kept[:] = 100, 9
-    decoder.step_seconds = {(1, 1): 1.0, (1, 2): 1.1, (1, 3): 1.5}
-    assert decoder.choose_width(1) == 1
+    step timed 10% faster than plain gains 1%: plain is kept. The policy is numbers alone: no model."""
+    policy = SpeculationPolicy(3, adaptive=True, multi_token_step_cheap=False)
+    policy.offered[:], policy.kept[:] = 100, 9
+    policy.step_seconds = {(1, 1): 1.0, (1, 2): 1.1, (1, 3): 1.5}
+    assert policy.width(1, greedy=True) == 1
     for faster in (1.0, 0.9):
-        decoder.step_seconds = {(1, 1): 1.0, (1, 2): faster, (1, 3): 1.5}
-        assert decoder.choose_width(1) == 2
-    decoder.kept[:] = 0
-    decoder._widths.clear()   # the acceptance changed (the decoder clears it when it counts a step)
-    assert decoder.choose_width(1) == 1
+        policy.step_seconds = {(1, 1): 1.0, (1, 2): faster, (1, 3): 1.5}
+        assert policy.width(1, greedy=True) == 2
+    never_kept = SpeculationPolicy(3, adaptive=True, multi_token_step_cheap=False)
+    never_kept.offered[:] = 100
+    never_kept.step_seconds = policy.step_seconds
+    assert never_kept.width(1, greedy=True) == 1
 
 
 def test_policy_measures_and_switches_widths_exactly(cycle_model):
@@ -189,8 +192,8 @@ def test_policy_measures_and_switches_widths_exactly(cycle_model):
     plain = decode(cycle_model, PROMPTS, 50, False)
     decoder = Decoder(cycle_model, 4, None, Sampling(0.0))
     assert decoder.generate(PROMPTS, 50, [0, 1, 2, 3]) == plain
-    assert sorted(decoder.step_seconds) == [(n, W) for n in (1, 2, 4) for W in (1, 2, 3)]
-    assert all(seconds > 0 for seconds in decoder.step_seconds.values())
+    assert sorted(decoder.policy.step_seconds) == [(n, W) for n in (1, 2, 4) for W in (1, 2, 3)]
+    assert all(seconds > 0 for seconds in decoder.policy.step_seconds.values())
     for pattern in ([1, 3], [3, 2, 1, 1], [2, 3, 3, 1]):
         widths = itertools.cycle(pattern)
         decoder.choose_width = lambda n: next(widths)
@@ -205,8 +208,8 @@ def test_policy_keeps_sampled_rows_on_the_backends_width(cycle_model):
     or beside a greedy row, and the greedy row as plain decoding."""
     sampling = Sampling(1.0, top_k=5)
     decoder = Decoder(cycle_model, 2, None)
-    decoder.step_seconds = {(n, W): 1.0 for n in (1, 2) for W in (1, 2, 3)}   # speculating would pay
-    assert decoder.fixed_width() == 1
+    decoder.policy.step_seconds = {(n, W): 1.0 for n in (1, 2) for W in (1, 2, 3)}   # speculating would pay
+    assert decoder.policy.fixed_width() == 1
     greedy = decoder.admit(0, PROMPTS[0], 0, Sampling(0.0), 20)
     sampled = decoder.admit(1, PROMPTS[1], 5, sampling, 20)
     while decoder.active_rows():
@@ -341,7 +344,7 @@ def test_running_ahead_decodes_the_same_tokens(cycle_model, speculative, samplin
     expected_stats, stats = DecodeStats(), DecodeStats()
     expected = decode(cycle_model, PROMPTS, 50, speculative, sampling, seeds, eos, expected_stats)
     decoder = Decoder(cycle_model, len(PROMPTS), speculative, sampling, run_ahead=True)
-    decoder.step_seconds = {(n, W): 1.0 for n in (1, 2, 4) for W in (1, 2, 3)}
+    decoder.policy.step_seconds = {(n, W): 1.0 for n in (1, 2, 4) for W in (1, 2, 3)}
     ahead = count_running_ahead(decoder)
     assert decoder.generate(PROMPTS, 50, seeds, eos, stats=stats) == expected
     assert any(ahead) and not all(ahead) and decoder._in_flight is None
@@ -421,10 +424,11 @@ def text_model(tok):
 def test_text_api(text_model, tok):
     model = text_model
     assert generate(model, tok, "It was", max_new_tokens=12, temperature=0.9, seed=4) == \
-        model.generate(tok, "It was", max_new_tokens=12, temperature=0.9, seed=4)      # seeded: reproducible
-    batch = model.generate_batch(tok, ["It was", "Add 2 and 3", ""], max_new_tokens=12, temperature=0.9, seed=4)
+        nanoeuler_core.generate(model, tok, "It was", max_new_tokens=12, temperature=0.9, seed=4)   # reproducible
+    prompts = ["It was", "Add 2 and 3", ""]
+    batch = nanoeuler_core.generate_batch(model, tok, prompts, max_new_tokens=12, temperature=0.9, seed=4)
     assert batch == [generate(model, tok, p, max_new_tokens=12, temperature=0.9, seed=4 + i)
-                     for i, p in enumerate(["It was", "Add 2 and 3", ""])]
+                     for i, p in enumerate(prompts)]
     pieces = []
     assert generate(model, tok, "It", max_new_tokens=10, temperature=0.0, on_text=pieces.append) == "".join(pieces)
     stats = DecodeStats()

@@ -10,7 +10,7 @@ from numba import cuda
 
 from nanoeuler_core import registry
 from nanoeuler_core.engine.gradcheck import run_backend
-from nanoeuler_core.inference.decode import DecodeStats, Sampling
+from nanoeuler_core.inference.decoder import DecodeStats, Sampling
 from nanoeuler_ops.sample import warped
 from test_generate import (MATRIX_OPS, PROMPTS, cycle_model, decode, on_backend,  # noqa: F401  (a fixture)
                            run_with_bf16_weights)
@@ -124,15 +124,15 @@ def test_captured_prefill_equals_its_eager_run():
     must give the same bits (the same cuBLAS kernels, captured or not), or a prompt's first greedy
     generation could differ from its next."""
     from nanoeuler_core import Model, ModelConfig
-    from nanoeuler_core.inference.decode import decoder_for
+    from nanoeuler_core.inference.decoder import decoder_for
 
     model = Model(ModelConfig.preset("gpu"), backend="cuda")
     decoder = decoder_for(model, 1, False, Sampling())
-    ids = np.random.default_rng(0).integers(0, V, decoder._prefill_length(100))
+    ids = np.random.default_rng(0).integers(0, V, decoder.prefill.length(100))
     be = model.backend
     runs = []
     for _ in range(2):
-        keys_values, out = decoder._prefill_forward(ids)
+        keys_values, out = decoder.prefill.run(ids)
         runs.append([be.to_host(a) for a in (*keys_values[0], *keys_values[-1], out)])
     for eager, replayed in zip(*runs):
         np.testing.assert_array_equal(eager, replayed)
@@ -140,7 +140,7 @@ def test_captured_prefill_equals_its_eager_run():
 
 def test_batch_too_large_for_the_gpu_is_one_clear_error():
     from nanoeuler_core import Model, ModelConfig
-    from nanoeuler_core.inference.decode import decoder_for
+    from nanoeuler_core.inference.decoder import decoder_for
 
     model = Model(ModelConfig.preset("gpu"), backend="cuda")
     with pytest.raises(ValueError, match="rows needs .* GiB .* memory free on the device"):

@@ -15,7 +15,7 @@ import pytest
 
 from nanoeuler_core.cli import main
 from nanoeuler_core.engine.config import ModelConfig
-from nanoeuler_core.inference.model import Model
+from nanoeuler_core.engine.model import Model
 from nanoeuler_core.inference.chat import chat, render
 from nanoeuler_core.inference.generate import generate
 from nanoeuler_core.inference.loading import load_model
@@ -288,9 +288,9 @@ def test_sft_and_continued_pretraining_run_on_an_imported_model(imported, tmp_pa
     row, _ = pretrain.train(fine, lambda msg: None)
     assert row["step"] == 3 and np.isfinite(row["loss"]) and np.isfinite(row["val_loss"])
     model, tok = load_model(tmp_path / "sft")
-    model.generate(tok, "Add 1 and 2.", max_new_tokens=5, temperature=0.0)
+    generate(model, tok, "Add 1 and 2.", max_new_tokens=5, temperature=0.0)
     with pytest.raises(ValueError, match="longer than the model's context of 64 tokens"):   # the template alone is longer
-        model.chat(tok, [{"role": "user", "content": "Add 1 and 2."}], max_new_tokens=5, temperature=0.0)
+        chat(model, tok, [{"role": "user", "content": "Add 1 and 2."}], max_new_tokens=5, temperature=0.0)
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(CORPUS[:30_000])

@@ -13,8 +13,9 @@ from nanoeuler_core.engine.checkpoint import read_json
 from nanoeuler_core.inference.template import ChatTemplate
 from nanoeuler_core.text.tokenizer import Tokenizer
 from nanoeuler_core.engine.config import ModelConfig
-from nanoeuler_core.inference.model import Model
+from nanoeuler_core.engine.model import Model
 from nanoeuler_core.training.sft import Example, collate, encode_example, load_examples, render_prompt
+from nanoeuler_core.inference.generate import generate
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_data import make_tasks
 
@@ -177,7 +178,7 @@ def test_sft_writes_a_run_that_loads_and_learns(tmp_path, tok):
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert rows[-1]["loss"] < 0.75 * rows[0]["loss"]
     model, loaded_tok = load_model(out)
-    assert isinstance(model.generate(loaded_tok, render_prompt("Reverse the word: night"), max_new_tokens=5), str)
+    assert isinstance(generate(model, loaded_tok, render_prompt("Reverse the word: night"), max_new_tokens=5), str)
 
 
 def test_sft_runs_on_the_bundled_tasks_by_default(tmp_path, tok):

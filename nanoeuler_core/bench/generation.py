@@ -1,5 +1,5 @@
 """Decoding speed: nanoeuler's plain, self-speculative and default (the policy that chooses per
-step, decode.py) decoding against PyTorch on the same weights, each with a KV cache, in one run.
+step, docs/decoding.md) decoding against PyTorch on the same weights, each with a KV cache, in one run.
 
 nanoeuler's three modes share one process, a decoder each on the same weights, and take turns: a
 round times one generation of each, so that the machine's drift (clocks, other work) falls on every
@@ -93,7 +93,7 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
     each, warmed up, then `repeats` rounds that each time one generation of every mode in turn (round r
     starting at mode r mod the modes); the first mode's decoder also times the prefill of `prefill`
     tokens (if any). A dict per mode."""
-    from nanoeuler_core.inference.decode import DecodeStats, Sampling, decoder_for
+    from nanoeuler_core.inference.decoder import DecodeStats, Sampling, decoder_for
 
     model, tok = load_weights(preset, run, backend)
     ids = bench_prompt(model.cfg, tok, prompt, prompt_from, run)
@@ -118,7 +118,7 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
     return [{"median_s": statistics.median(e.times), "memory_mb": e.memory_mb, "tokens": e.tokens,
              "acceptance": e.stats.acceptance, "per_step": e.stats.tokens_per_step, "mode": e.stats.mode,
              "kept_where_reached": [k / o if o else None
-                                    for k, o in zip(e.decoder.kept.tolist(), e.decoder.offered.tolist())],
+                                    for k, o in zip(e.decoder.policy.kept.tolist(), e.decoder.policy.offered.tolist())],
              "speculative_steps": e.stats.speculative_steps / e.stats.steps if e.stats.steps else 0.0,
              "weights": e.stats.weights, "prefill_s": prefill_s if i == 0 else None}
             for i, e in enumerate(engines)]

@@ -165,7 +165,7 @@ def bench(
     if generate:
         from nanoeuler_core.bench import generation
 
-        from nanoeuler_core.inference.decode import check_weights
+        from nanoeuler_core.inference.decoder import check_weights
 
         if precision not in (None, "fp32", "bf16"):
             raise ValueError("decoding reads bf16 or fp32 weights: pass --precision bf16 or fp32 with --generate")

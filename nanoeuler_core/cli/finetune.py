@@ -10,7 +10,7 @@ import typer
 
 from nanoeuler_core.cli.train import PRECISION_HELP, RECOMPUTE_HELP, SPECULATIVE_HELP, log_run, rank0_log, stream_text
 from nanoeuler_core.inference.chat import Conversation
-from nanoeuler_core.inference.decode import DecodeStats
+from nanoeuler_core.inference.decoder import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling, generate, prompt_ids
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.inference.template import ChatTemplate

@@ -14,7 +14,7 @@ from nanoeuler_core import registry
 from nanoeuler_core.cli import warm
 from nanoeuler_core.cli.evaluate import hellaswag_file
 from nanoeuler_core.eval import hellaswag
-from nanoeuler_core.inference.decode import DecodeStats
+from nanoeuler_core.inference.decoder import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling, generate_batch, prompt_ids
 from nanoeuler_core.inference.generate import generate as generate_text
 from nanoeuler_core.inference.loading import load_model
@@ -120,8 +120,8 @@ def pretrain(
             warmer.wait_for_decoding()
         typer.echo(f"--- sample ({sample_prompt!r}, temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}) ---")
         typer.echo(sample_prompt, nl=False)
-        run.model.generate(run.tok, sample_prompt, max_new_tokens=200, temperature=SAMPLE_TEMPERATURE,
-                           top_k=SAMPLE_TOP_K, seed=run.config.seed, on_text=stream_text)
+        generate_text(run.model, run.tok, sample_prompt, max_new_tokens=200, temperature=SAMPLE_TEMPERATURE,
+                      top_k=SAMPLE_TOP_K, seed=run.config.seed, on_text=stream_text)
         typer.echo("")
 
 

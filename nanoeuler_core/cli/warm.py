@@ -79,9 +79,9 @@ def warm(preset: str, backend: str, precision: str, recompute: bool, capture: bo
     """Run a run's kernels once on a one-layer model of its preset: a training step and a validation
     loss, then (after printing STEP_READY) a few sampled tokens."""
     from nanoeuler_core.engine.config import ModelConfig
+    from nanoeuler_core.engine.model import Model
     from nanoeuler_core.engine.optim import AdamW
-    from nanoeuler_core.inference.decode import Sampling, decoder_for
-    from nanoeuler_core.inference.model import Model
+    from nanoeuler_core.inference.decoder import Sampling, decoder_for
     from nanoeuler_core.training.step import TrainStep
 
     cfg = dataclasses.replace(ModelConfig.preset(preset), n_layers=1)

@@ -1,5 +1,5 @@
 """Generation: text in, text out, one prompt or a batch, plain or self-speculative decoding
-(nanoeuler_core/inference/decode.py does the decoding).
+(nanoeuler_core/inference/decoder/ does the decoding; docs/decoding.md explains it).
 
     generate(model, tok, "It was", max_new_tokens=50, temperature=0.8, top_k=40, seed=0) -> str
     generate_batch(model, tok, ["It was", "The king"], max_new_tokens=50, seed=0) -> list[str]
@@ -8,14 +8,14 @@ Row i of a batch generates exactly what generate(prompts[i], seed=seed + i) does
 own random stream, and a row's computation does not depend on the batch), so `--num-samples N`
 of one prompt gives N different samples, each reproducible alone.
 
-`speculative`: None runs the decoder's policy (decode.py: greedy steps speculate where that is
+`speculative`: None runs the decoder's policy (docs/decoding.md: greedy steps speculate where that is
 measured to be faster; sampled rows run the mode the backend's traits give); True or False forces
 speculative or plain decoding. Speculative decoding gives the same greedy output as plain decoding,
 and samples from the same distribution. `weights`: "bf16" or "fp32" (default: bf16 where the
-backend runs it; decode.py says how its greedy tokens compare).
+backend runs it; docs/decoding.md says how its greedy tokens compare).
 
 Prompts: up to ctx_len tokens (an empty prompt starts from `</s>`); a longer one is an error.
-Generation may run past the context: the cache then slides by half a context (decode.py).
+Generation may run past the context: the cache then slides by half a context (docs/decoding.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import codecs
 
 import numpy as np
 
-from nanoeuler_core.inference.decode import MAX_SEED, DecodeStats, Sampling, decoder_for
+from nanoeuler_core.inference.decoder import MAX_SEED, DecodeStats, Sampling, decoder_for
 
 
 def generate(model, tok, prompt: str, max_new_tokens: int = 50, temperature: float = 0.8, top_k: int | None = None,

@@ -7,7 +7,7 @@ from pathlib import Path
 from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.checkpoint import CheckpointError
 from nanoeuler_core.engine.config import ModelConfig
-from nanoeuler_core.inference.model import Model
+from nanoeuler_core.engine.model import Model
 from nanoeuler_core.text.tokenizer import Tokenizer
 
 

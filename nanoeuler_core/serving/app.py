@@ -51,7 +51,7 @@ from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nanoeuler_core.inference.chat import fit_context
-from nanoeuler_core.inference.decode import MAX_SEED, Sampling
+from nanoeuler_core.inference.decoder import MAX_SEED, Sampling
 from nanoeuler_core.inference.generate import prompt_ids
 from nanoeuler_core.inference.template import ChatTemplate
 from nanoeuler_core.serving.scheduler import Done, Failed, Job, QueueFull, Scheduler, ShuttingDown, Text, emit_each

@@ -37,7 +37,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from nanoeuler_core.inference.decode import Decoder, Sampling
+from nanoeuler_core.inference.decoder import Decoder, Sampling
 from nanoeuler_core.inference.generate import TextStream
 
 log = logging.getLogger("nanoeuler.serving")

@@ -33,7 +33,7 @@ from nanoeuler_core.engine.config import PRESETS, ModelConfig
 from nanoeuler_core.corpus.tokens import BatchLoader, check_length, default_corpus, load_tokens
 from nanoeuler_core.engine.optim import AdamW, lr_at
 from nanoeuler_core.inference.loading import load_model
-from nanoeuler_core.inference.model import Model
+from nanoeuler_core.engine.model import Model
 from nanoeuler_core import registry
 from nanoeuler_core.registry import usable_backend
 from nanoeuler_core.training import distributed

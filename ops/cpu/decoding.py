@@ -2,7 +2,7 @@
 and matrix products whose row n does not depend on the batch.
 
 Decoding needs a token's result to be the same whether it is computed alone, beside other rows
-of a batch, or beside speculative proposals (nanoeuler_core/inference/decode.py). A BLAS sgemm
+of a batch, or beside speculative proposals (docs/decoding.md). A BLAS sgemm
 does not promise that: it picks kernels and blockings by the matrix sizes. Here every row runs
 through the same instructions: loops go over blocks of 4 outputs (sharing the loads of one x
 row) and, inside, over rows one at a time, never blocking a row with its neighbours, whose

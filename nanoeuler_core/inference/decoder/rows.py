@@ -1,0 +1,111 @@
+"""The host's side of decoding: how a row's tokens are chosen (Sampling), a row's progress (Row),
+and what a generation did (DecodeStats)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_SEED = 2**62          # row seeds live in [0, MAX_SEED) (the sample op's RNG key)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen: greedy at temperature 0, else softmax(logits / temperature) within
+    the top_k most likely tokens and the smallest set holding top_p of the probability."""
+
+    temperature: float = 0.8
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def settings(self) -> tuple[float, int, float]:
+        """(temperature, top_k, top_p) as the sample op reads them: top_k 0 and top_p 1 mean off."""
+        return float(self.temperature), int(self.top_k or 0), float(1.0 if self.top_p is None else self.top_p)
+
+
+class Row:
+    """One row's progress on the host: its tokens so far (prompt included), the new ones, where the
+    next fed token goes in the cache, whether it decodes greedily, and whether it goes on
+    (`finish_reason` says why not)."""
+
+    def __init__(self, b: int, prompt: list[int], max_new_tokens: int, eos_id, on_token, greedy: bool):
+        self.b, self.sequence, self.new = b, prompt, []
+        self.position = len(prompt)   # where the next fed token goes in the cache
+        self.active = max_new_tokens > 0
+        self.max_new_tokens, self.eos_id, self.on_token, self.greedy = max_new_tokens, eos_id, on_token, greedy
+        self.ended_at_eos = False
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" (it reached eos_id), "length" (max_new_tokens), or None (still decoding, or retired before either)."""
+        if self.ended_at_eos:
+            return "stop"
+        return "length" if len(self.new) >= self.max_new_tokens else None
+
+    def keep(self, tokens) -> None:
+        """Append the tokens decoded for this row, up to `</s>` or the token budget."""
+        for token in tokens.tolist():
+            if not self.active:
+                return
+            if token == self.eos_id:
+                self.active, self.ended_at_eos = False, True
+                return
+            self.new.append(token)
+            self.sequence.append(token)
+            if self.on_token is not None:
+                self.on_token(self.b, token)
+            if len(self.new) == self.max_new_tokens:
+                self.active = False
+                return
+
+
+@dataclass
+class DecodeStats:
+    """What a generation did: new tokens, decoding steps after the prefill (those that fed
+    proposals, and steps summed over the rows still decoding), speculative proposals fed and kept,
+    wall-clock seconds (prefill included), and the storage of the weights read."""
+
+    tokens: int = 0
+    steps: int = 0
+    speculative_steps: int = 0
+    row_steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+    rows: int = 0
+    weights: str = ""
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_steps > 0
+
+    @property
+    def mode(self) -> str:
+        """"plain", "speculative", or "mixed" where the policy ran both."""
+        return "plain" if not self.speculative_steps else "speculative" if self.speculative_steps == self.steps \
+            else "mixed"
+
+    @property
+    def acceptance(self) -> float:
+        """The fraction of speculative proposals kept (0 when none were made)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a row gains per decoding step: 1 plus the proposals it keeps."""
+        return (self.row_steps + self.accepted) / self.row_steps if self.row_steps else 0.0
+
+    def line(self) -> str:
+        """One line for a log: tokens, speed, the mode, and for speculative steps the acceptance."""
+        text = f"{self.tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_s:,.0f} tokens/s"
+        text += f", {self.rows} rows" if self.rows > 1 else ""
+        text += f", {self.weights} weights)" if self.weights else ")"
+        if self.speculative:
+            text += (f"; speculative in {self.speculative_steps}/{self.steps} steps: {self.accepted}/{self.proposed} "
+                     f"proposals accepted ({self.acceptance:.0%}), {self.tokens_per_step:.2f} tokens per row and step")
+        else:
+            text += "; plain decoding"
+        return text
