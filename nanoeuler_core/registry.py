@@ -1,7 +1,8 @@
 """The op and backend registry.
 
 An op is one `Op` object: its NumPy float64 `reference` (forward and backward, written for
-clarity) and `sample_inputs(rng)` that yields valid test cases. A backend is a `Backend` object:
+clarity), `sample_inputs(rng)` that yields valid test cases and, optionally, `error_inputs(rng)`
+that yields calls it must refuse (docs/ops.md has the whole contract). A backend is a `Backend` object:
 the array operations the model needs (allocate, copy to and from the host), its traits (how a
 process claims a device, which collectives sum gradients, memory in use, ...), and where its
 kernels live. An op's kernels on a backend are found by the op's name: the module
