@@ -35,8 +35,8 @@ def ops() -> None:
 def gradcheck_cmd(
     backend: Optional[str] = typer.Option(None, help="check only this backend against the reference (default: all usable)"),
     precision: str = typer.Option("fp32", help="fp32, tf32 or bf16: the ops (and the model) that run in this precision"),
-    op_names: list[str] = typer.Option([], "--op", help="check only this op (repeatable); the model's checks then "
-                                                       "run only with --model"),
+    op_names: list[str] = typer.Option([], "--op", metavar="NAME", help="check only this op (repeatable); the "
+                                                                       "model's checks then run only with --model"),
     model: Optional[bool] = typer.Option(None, "--model/--no-model", help="check the whole model's gradients too "
                                                                           "(default: yes, unless --op is given)"),
     simulate: bool = typer.Option(False, "--simulate", help="run the kernels of a backend whose device is missing "
