@@ -1,7 +1,8 @@
 """The op and backend registry.
 
 An op is one `Op` object: its NumPy float64 `reference` (forward and backward, written for
-clarity) and `sample_inputs(rng)` that yields valid test cases. A backend is a `Backend` object:
+clarity), `sample_inputs(rng)` that yields valid test cases and, optionally, `error_inputs(rng)`
+that yields calls it must refuse (docs/ops.md has the whole contract). A backend is a `Backend` object:
 the array operations the model needs (allocate, copy to and from the host), its traits (how a
 process claims a device, which collectives sum gradients, memory in use, ...), and where its
 kernels live. An op's kernels on a backend are found by the op's name: the module
@@ -133,6 +134,19 @@ class Sample:
     precisions: tuple[str, ...] = tuple(PRECISIONS)
 
 
+@dataclass
+class ErrorInput:
+    """A call an op must refuse (as PyTorch's OpInfo ErrorInput): `sample` raises `error` on every
+    backend that has the op, with a message `match` (a regular expression) finds. `host_values`:
+    the refusal reads values of arrays a device backend keeps on the device, where its caller
+    checks them (a decoding step's sampling settings): only backends with host arrays refuse it."""
+
+    sample: Sample
+    error: type = ValueError
+    match: str = ""
+    host_values: bool = False
+
+
 def bf16_bits(host: np.ndarray) -> np.ndarray:
     """Float values -> bfloat16 bit patterns (uint16: the upper half of the float32), rounded to
     nearest even; NaN stays NaN. NumPy has no bfloat16: backends store bf16 tensors this way."""
@@ -158,6 +172,8 @@ class Backend:
     dtype: type = np.float32
     kernel_packages: tuple[str, ...] = ()
     install_hint: str = ""            # what it takes to make an unavailable backend usable here
+    simulator: str = ""               # what runs its kernels where its device is missing (e.g. a GPU simulator)
+    simulator_env: dict[str, str] = {}   # the environment that turns the simulator on, read as its libraries load
     implements: tuple[str, ...] = ("fp32",)   # the precisions it has kernels for (`precisions`: those it runs here)
     ground_truth = False              # runs the ops' own float64 references: what the others are checked against
     multi_token_step_cheap = False    # a decoding step over K tokens costs about one over 1 token
@@ -166,6 +182,10 @@ class Backend:
 
     def available(self) -> bool:
         return True
+
+    def simulated(self) -> bool:
+        """Whether this backend's kernels run on its simulator in this process (its environment set)."""
+        return bool(self.simulator_env) and all(os.environ.get(k) == v for k, v in self.simulator_env.items())
 
     def kernel_cache_cold(self) -> bool:
         """Whether the kernels compile on first use into a cache on disk that lacks them now: a run
@@ -332,6 +352,8 @@ class Op:
     summary: str
     reference: Impl
     sample_inputs: Callable[[np.random.Generator], Iterable[Sample]]
+    error_inputs: Callable[[np.random.Generator], Iterable[ErrorInput]] | None = None   # calls to refuse
+    model_inputs: Callable[..., Sample] | None = None   # (rng, cfg, rows): one call at a model's sizes
     tol: Tol = Tol()
     inplace: tuple[int, ...] = ()
     accumulates: tuple[int, ...] = ()      # inputs whose gradient backward can add into `into`
@@ -375,11 +397,13 @@ class Op:
 
 def define_op(namespace: dict, summary: str, **options) -> Op:
     """The op a module defines by convention (call it with the module's `globals()`): named after
-    the module, with its float64 reference `forward` (and `backward`, if it has one) and its
-    `sample_inputs`; `options` are Op's other fields (tol, inplace, accumulates, precisions, ...)."""
+    the module, with its float64 reference `forward` (and `backward`, if it has one), its
+    `sample_inputs` and, where it has them, `error_inputs` and `model_inputs`; `options` are Op's
+    other fields (tol, inplace, accumulates, precisions, ...). docs/ops.md describes the contract."""
     return Op(name=namespace["__name__"].rsplit(".", 1)[-1], summary=summary,
               reference=Impl(namespace["forward"], namespace.get("backward")),
-              sample_inputs=namespace["sample_inputs"], **options)
+              sample_inputs=namespace["sample_inputs"], error_inputs=namespace.get("error_inputs"),
+              model_inputs=namespace.get("model_inputs"), **options)
 
 
 def _package(ep) -> str:

@@ -27,7 +27,7 @@ the gradients, with backend work only (a captured CUDA graph holds it).
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 
 CLIP_EPS = 1e-6
 
@@ -77,6 +77,9 @@ class ScaleSumSquares:
             sum_squares.copy_to_device(sum_squares.copy_to_host() * self.factor)
 
 
+TEST_ATTRS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "max_grad_norm": 1.0}   # the checks' calls
+
+
 def sample_inputs(rng):
     # (P, n_decay, step, max_grad_norm, hook): clipping on (norm well above 1) and off (0 = never,
     # or a bound above the norm), decay over part of the buffer, none of it, and all of it; a
@@ -91,10 +94,30 @@ def sample_inputs(rng):
         m = 0.1 * rng.standard_normal(size)
         v = 0.01 * rng.random(size)
         sched = np.array([1e-2, float(step)])
-        attrs = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1,
-                 "n_decay": n_decay, "max_grad_norm": max_grad_norm, "reduce_sum_squares": hook}
+        attrs = {**TEST_ATTRS, "n_decay": n_decay, "max_grad_norm": max_grad_norm, "reduce_sum_squares": hook}
         yield Sample((params, grads, m, v, sched), attrs,
                      name=f"P{size}_decay{n_decay}_step{step}" + ("_sharded" if hook else ""))
+
+
+def error_inputs(rng):
+    # (lengths of params, grads, m, v; sched's length; n_decay)
+    cases = (("grads_9_for_10", (10, 9, 10, 10), 2, 5, "must be flat buffers of one length"),
+             ("v_11_for_10", (10, 10, 10, 11), 2, 5, "must be flat buffers of one length"),
+             ("sched_3", (10, 10, 10, 10), 3, 5, r"sched must be \[lr, step\]"),
+             ("n_decay_11", (10, 10, 10, 10), 2, 11, r"n_decay must lie in \[0, 10\]"))
+    for name, sizes, sched_size, n_decay, match in cases:
+        params, grads, m, v = (rng.standard_normal(n) for n in sizes)
+        sched = np.array([1e-2, 1.0, 0.0][:sched_size])
+        yield ErrorInput(Sample((params, grads, m, v, sched), {**TEST_ATTRS, "n_decay": n_decay}, name=name),
+                         match=match)
+
+
+def model_inputs(rng, cfg, rows):
+    """Three million parameters, two thirds of them decayed (the sizes do not depend on cfg)."""
+    P = 3_000_001
+    normal = rng.standard_normal
+    return Sample((normal(P), normal(P), 0.1 * normal(P), 0.01 * rng.random(P), np.array([3e-4, 5.0])),
+                  {**TEST_ATTRS, "n_decay": 2_000_000}, name=f"P{P}")
 
 
 OP = define_op(globals(), "AdamW step with decoupled weight decay and global gradient-norm clipping (in place)",

@@ -6,7 +6,7 @@ Backward: da = db = dy. Both gradients are the same array `dy`, not copies: call
 must not write into one.
 """
 
-from nanoeuler_core.registry import Sample, Tol, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, Tol, define_op
 
 
 def check_same_shape(a, b):
@@ -29,6 +29,18 @@ def sample_inputs(rng):
         a = rng.standard_normal(shape)
         b = rng.standard_normal(shape)
         yield Sample((a, b), grad_inputs=(0, 1), name="x".join(map(str, shape)))
+
+
+def error_inputs(rng):
+    # no broadcasting, not even of a shape a NumPy sum would stretch
+    for name, a, b in (("2x3_vs_3x2", rng.standard_normal((2, 3)), rng.standard_normal((3, 2))),
+                       ("2x3_vs_1x3", rng.standard_normal((2, 3)), rng.standard_normal((1, 3)))):
+        yield ErrorInput(Sample((a, b), name=name), match="add needs two arrays of the same shape")
+
+
+def model_inputs(rng, cfg, rows):
+    a, b = rng.standard_normal((rows, cfg.dim)), rng.standard_normal((rows, cfg.dim))
+    return Sample((a, b), grad_inputs=(0, 1), name=f"N{rows}_C{cfg.dim}")
 
 
 OP = define_op(globals(), "Elementwise sum of two same-shape arrays (residuals, gradient accumulation)",

@@ -11,13 +11,19 @@ The backward reads only `saved` and w (callers may pass None for x and branch). 
 is taken of s as stored (rounded), so the fused op equals add then rmsnorm exactly.
 """
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 from nanoeuler_ops import rmsnorm
 from nanoeuler_ops.add import check_same_shape
 
 
-def forward(x, branch, w, *, eps):
+def check_shapes(x, branch, w):
+    """Raise ValueError unless x and branch are one (N, C) shape and w is (C,) (every backend calls this)."""
     check_same_shape(x, branch)
+    rmsnorm.check_shapes(x, w)
+
+
+def forward(x, branch, w, *, eps):
+    check_shapes(x, branch, w)
     s = x + branch
     y, (rstd,) = rmsnorm.forward(s, w, eps=eps)
     return (s, y), (s, rstd)
@@ -37,6 +43,20 @@ def sample_inputs(rng):
         x, branch = rng.standard_normal((2, n, c))
         w = 1.0 + 0.1 * rng.standard_normal(c)
         yield Sample((x, branch, w), {"eps": 1e-5}, grad_inputs=(0, 1, 2), name=f"N{n}_C{c}")
+
+
+def error_inputs(rng):
+    normal = rng.standard_normal
+    yield ErrorInput(Sample((normal((3, 4)), normal((4, 3)), normal(4)), {"eps": 1e-5}, name="branch_4x3"),
+                     match="add needs two arrays of the same shape")
+    yield ErrorInput(Sample((normal((3, 4)), normal((3, 4)), normal(5)), {"eps": 1e-5}, name="w5"),
+                     match=r"rmsnorm: need x \(N, C\) and w \(C,\)")
+
+
+def model_inputs(rng, cfg, rows):
+    normal = rng.standard_normal
+    x, branch, w = normal((rows, cfg.dim)), normal((rows, cfg.dim)), 1.0 + 0.1 * normal(cfg.dim)
+    return Sample((x, branch, w), {"eps": 1e-5}, grad_inputs=(0, 1, 2), name=f"N{rows}_C{cfg.dim}")
 
 
 OP = define_op(globals(), "Residual add then RMSNorm, fused: (x + branch, rmsnorm(x + branch))",

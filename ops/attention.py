@@ -22,7 +22,7 @@ This reference builds the full (T, S) score matrix for clarity; the backends nev
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 
 
 def _grouped(q, kv_heads):
@@ -98,6 +98,25 @@ def sample_inputs(rng):
         v = rng.standard_normal((b, s, kv, d))
         yield Sample((q, k, v), grad_inputs=(0, 1, 2), name=f"B{b}_T{t}_S{s}_H{h}_KV{kv}_D{d}",
                      precisions=tuple(precisions))
+
+
+def error_inputs(rng):
+    # (q shape, k and v shape, what the refusal says)
+    cases = (("H3_KV2", (1, 4, 3, 8), (1, 4, 2, 8), "3 query heads are not a multiple of 2 key/value heads"),
+             ("S3_T4", (1, 4, 2, 8), (1, 3, 1, 8), "3 keys cannot serve 4 causal queries"),
+             ("D8_vs_D6", (1, 4, 2, 8), (1, 4, 1, 6), "differ in batch or head size"),
+             ("q_3d", (4, 2, 8), (1, 4, 1, 8), r"need q \(B, T, H, D\)"))
+    for name, q_shape, kv_shape, match in cases:
+        q, k, v = rng.standard_normal(q_shape), rng.standard_normal(kv_shape), rng.standard_normal(kv_shape)
+        yield ErrorInput(Sample((q, k, v), name=name), match=match)
+
+
+def model_inputs(rng, cfg, rows):
+    """rows // ctx_len sequences of ctx_len tokens (a training batch)."""
+    B, T, D = rows // cfg.ctx_len, cfg.ctx_len, cfg.head_dim
+    normal = rng.standard_normal
+    q, k, v = normal((B, T, cfg.n_heads, D)), normal((B, T, cfg.n_kv_heads, D)), normal((B, T, cfg.n_kv_heads, D))
+    return Sample((q, k, v), grad_inputs=(0, 1, 2), name=f"B{B}_T{T}_H{cfg.n_heads}_KV{cfg.n_kv_heads}_D{D}")
 
 
 OP = define_op(globals(), "Causal softmax attention with grouped key/value heads, queries at the end of the keys",

@@ -31,7 +31,7 @@ losses float32.
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 from nanoeuler_ops import accumulated, cross_entropy
 from nanoeuler_ops.cross_entropy import IGNORE, check_targets
 
@@ -121,6 +121,23 @@ def sample_inputs(rng):
             targets[j, rng.integers(n)] = IGNORE
         yield Sample((h, w, targets), {"chunk_rows": rows}, grad_inputs=(0, 1), name=f"N{n}_V{v}_K{k}_rows{rows}",
                      precisions=("fp32", "tf32", "bf16") if rows else ("fp32",))
+
+
+def error_inputs(rng):
+    # h (3, 4) against (w's shape, targets' shape, chunk_rows, a target out of range): K = 2 heads of
+    # V = 5 fit w (10, 4) and targets (2, 3)
+    cases = (("targets_K2_N4_for_N3", (10, 4), (2, 4), None, False, "do not fit"),
+             ("w_rows_not_K_V", (9, 4), (2, 3), None, False, "do not fit"),
+             ("w_C5_for_C4", (10, 5), (2, 3), None, False, "do not fit"),
+             ("targets_1d", (10, 4), (3,), None, False, "must be 2-D"),
+             ("chunk_rows_0", (10, 4), (2, 3), 0, False, "chunk_rows must be at least 1"),
+             ("target_V", (10, 4), (2, 3), None, True, r"targets must lie in \[-1, 5\)"))
+    for name, w_shape, targets_shape, chunk_rows, out_of_range, match in cases:
+        h, w = rng.standard_normal((3, 4)), rng.standard_normal(w_shape)
+        targets = rng.integers(0, 5, targets_shape)
+        if out_of_range:
+            targets[0, 1] = 5
+        yield ErrorInput(Sample((h, w, targets), {"chunk_rows": chunk_rows}, name=name), match=match)
 
 
 OP = define_op(globals(), "The K output heads' logits and cross-entropy, fused, in chunks of rows "

@@ -13,7 +13,7 @@ Backward, with softmax[n, c] = exp(logits[n, c] - lse[n]):
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 
 IGNORE = -1
 
@@ -53,6 +53,22 @@ def sample_inputs(rng):
         targets = rng.integers(0, v, n)
         targets[rng.choice(n, ignored, replace=False)] = IGNORE
         yield Sample((logits, targets), grad_inputs=(0,), name=f"N{n}_V{v}_ignore{ignored}")
+
+
+def error_inputs(rng):
+    logits = rng.standard_normal((3, 5))
+    shape, values = r"3 rows of logits need targets of shape \(3,\)", r"targets must lie in \[-1, 5\)"
+    for name, targets, match in (("targets_4_for_3_rows", [0, 1, 2, 3], shape), ("target_V", [0, 5, 1], values),
+                                 ("target_minus_2", [0, -2, 1], values)):
+        yield ErrorInput(Sample((logits, np.array(targets, dtype=np.int64)), name=name), match=match)
+
+
+def model_inputs(rng, cfg, rows):
+    """The first head's logits over the vocabulary, a tenth of the targets ignored."""
+    V = cfg.vocab_size
+    targets = rng.integers(0, V, rows)
+    targets[rng.choice(rows, rows // 10, replace=False)] = IGNORE
+    return Sample((3.0 * rng.standard_normal((rows, V)), targets), grad_inputs=(0,), name=f"N{rows}_V{V}")
 
 
 OP = define_op(globals(), "Per-row softmax cross-entropy; a target of -1 is ignored",

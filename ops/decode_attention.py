@@ -21,7 +21,7 @@ depends only on qkv[b, t], p and row b's cache, computed in the same order whate
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 from nanoeuler_ops.qkv_rope import cos_sin
 
 
@@ -78,6 +78,32 @@ def sample_inputs(rng):
         v_cache = rng.standard_normal((b, s, kv, d))
         yield Sample((qkv, k_cache, v_cache, np.array(pos, dtype=np.int64)), {"n_kv_heads": kv, "theta": 10000.0},
                      name=f"B{b}_T{t}_S{s}_H{h}_KV{kv}_D{d}")
+
+
+def error_inputs(rng):
+    # B = 2 rows of qkv (2, 1, heads, 4) with n_kv_heads = 2 against (qkv's heads, the caches' KV
+    # heads and head size, pos's length): 8 heads are 4 query heads and 2 + 2 key/value heads
+    shapes = r"need qkv \(B, T, H \+ 2 KV, D\), caches \(B, S, KV, D\) and pos \(B,\)"
+    heads = "does not hold H query heads and 2 key/value heads"
+    cases = (("pos_3_for_B2", 8, 2, 4, 3, shapes),
+             ("H3_KV2", 7, 2, 4, 2, heads),            # 7 = 3 + 2 * 2: 3 query heads for 2 key/value heads
+             ("caches_KV1_for_KV2", 8, 1, 4, 2, heads),
+             ("caches_D6_for_D4", 8, 2, 6, 2, heads))
+    for name, qkv_heads, cache_kv, cache_d, n_pos, match in cases:
+        qkv = rng.standard_normal((2, 1, qkv_heads, 4))
+        k_cache, v_cache = rng.standard_normal((2, 2, 6, cache_kv, cache_d))
+        yield ErrorInput(Sample((qkv, k_cache, v_cache, np.zeros(n_pos, dtype=np.int64)),
+                                {"n_kv_heads": 2, "theta": 10000.0}, name=name), match=match)
+
+
+def model_inputs(rng, cfg, rows):
+    """rows new tokens over 3 rows of a 515-position cache: one far in, one at its start, one
+    running past its end."""
+    B, T, S, H, KV, D = 3, rows // 3 or 1, 515, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    normal = rng.standard_normal
+    return Sample((normal((B, T, H + 2 * KV, D)), normal((B, S, KV, D)), normal((B, S, KV, D)),
+                   np.array([300, 0, S - 2])), {"n_kv_heads": KV, "theta": 10000.0},
+                  name=f"B{B}_T{T}_S{S}_H{H}_KV{KV}_D{D}")
 
 
 OP = define_op(globals(), "Decoding: RoPE at per-row positions, append to the KV cache, causal attention over it (in place, forward only)",

@@ -17,7 +17,7 @@ The reference log-probabilities are constants (the reference model is frozen): n
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 
 
 def check_pairs(*logprobs):
@@ -49,6 +49,12 @@ def sample_inputs(rng):
         policy_chosen, policy_rejected, ref_chosen, ref_rejected = -spread * rng.random((4, p))
         yield Sample((policy_chosen, policy_rejected, ref_chosen, ref_rejected), {"beta": beta},
                      grad_inputs=(0, 1), name=f"P{p}_beta{beta}")
+
+
+def error_inputs(rng):
+    for name, sizes in (("rejected_4_for_3", (3, 4, 3, 3)), ("ref_2d", (3, 3, (1, 3), 3))):
+        logprobs = tuple(-10.0 * rng.random(n) for n in sizes)
+        yield ErrorInput(Sample(logprobs, {"beta": 0.1}, name=name), match=r"must be \(P,\) vectors of one length")
 
 
 OP = define_op(globals(), "DPO loss per preference pair from policy and reference sequence log-probabilities")

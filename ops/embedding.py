@@ -7,7 +7,7 @@ unused ids are 0). The ids get no gradient.
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, Tol, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, Tol, define_op
 from nanoeuler_ops import accumulated
 
 
@@ -35,6 +35,19 @@ def sample_inputs(rng):
         ids = rng.integers(0, v, size=n, dtype=np.int64)
         table = rng.standard_normal((v, c))
         yield Sample((ids, table), grad_inputs=(1,), name=f"N{n}_V{v}_C{c}")
+
+
+def error_inputs(rng):
+    table = rng.standard_normal((5, 3))
+    for name, ids in (("id_V", [0, 5, 1]), ("id_minus_1", [2, -1])):
+        yield ErrorInput(Sample((np.array(ids, dtype=np.int64), table), name=name),
+                         match=r"token ids must lie in \[0, 5\)")
+
+
+def model_inputs(rng, cfg, rows):
+    ids = rng.integers(0, cfg.vocab_size, rows)
+    table = 0.02 * rng.standard_normal((cfg.vocab_size, cfg.dim))
+    return Sample((ids, table), grad_inputs=(1,), name=f"N{rows}_V{cfg.vocab_size}_C{cfg.dim}")
 
 
 OP = define_op(globals(), "Token embedding lookup (rows of a table by id)",

@@ -6,7 +6,7 @@ The Euler steps' updates: r is the stream, x the attention output (w = wo) or th
 activation (w = w_down). Batch-invariant (see norm_linear).
 """
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 
 
 def check_shapes(x, w, r):
@@ -28,6 +28,21 @@ def sample_inputs(rng):
         w = rng.standard_normal((o, i)) / i ** 0.5
         r = rng.standard_normal((n, o))
         yield Sample((x, w, r), name=f"N{n}_I{i}_O{o}")
+
+
+def error_inputs(rng):
+    # (x, w, r shapes): w's inputs not x's; r's rows or outputs not y's
+    for name, shapes in (("w_I5_for_I4", ((2, 4), (3, 5), (2, 3))), ("r_rows_3_for_2", ((2, 4), (3, 4), (3, 3))),
+                         ("r_O4_for_O3", ((2, 4), (3, 4), (2, 4)))):
+        yield ErrorInput(Sample(tuple(rng.standard_normal(s) for s in shapes), name=name),
+                         match=r"linear_residual: need x \(N, I\), w \(O, I\), r \(N, O\)")
+
+
+def model_inputs(rng, cfg, rows):
+    """The feed-forward's down product onto the stream (the wider of the two it serves)."""
+    C, F = cfg.dim, cfg.hidden_dim
+    normal = rng.standard_normal
+    return Sample((normal((rows, F)), 0.02 * normal((C, F)), normal((rows, C))), name=f"N{rows}_I{F}_O{C}")
 
 
 OP = define_op(globals(), "Decoding: r + x @ w.T (a residual update), batch-invariant (forward only)",

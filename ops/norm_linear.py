@@ -14,7 +14,7 @@ The decoder reads the attention's q, k and v projections (w = [wq; wk; wv]) and 
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 
 
 def check_shapes(x, g, w):
@@ -37,6 +37,21 @@ def sample_inputs(rng):
         g = 1.0 + 0.1 * rng.standard_normal(c)
         w = rng.standard_normal((o, c)) / c ** 0.5
         yield Sample((x, g, w), {"eps": 1e-5}, name=f"N{n}_C{c}_O{o}")
+
+
+def error_inputs(rng):
+    # (x, g, w shapes): g's size or w's inputs not x's features
+    for name, shapes in (("g5_for_C4", ((2, 4), (5,), (3, 4))), ("w_C5_for_C4", ((2, 4), (4,), (3, 5)))):
+        yield ErrorInput(Sample(tuple(rng.standard_normal(s) for s in shapes), {"eps": 1e-5}, name=name),
+                         match=r"norm_linear: need x \(N, C\), g \(C,\), w \(O, C\)")
+
+
+def model_inputs(rng, cfg, rows):
+    """The output heads' product, the widest: K heads of the vocabulary."""
+    C, O = cfg.dim, cfg.n_mtp * cfg.vocab_size
+    normal = rng.standard_normal
+    return Sample((normal((rows, C)), 1 + 0.1 * normal(C), 0.02 * normal((O, C))), {"eps": 1e-5},
+                  name=f"N{rows}_C{C}_O{O}")
 
 
 OP = define_op(globals(), "Decoding: rmsnorm(x; g) @ w.T in one pass, batch-invariant (forward only)",

@@ -12,7 +12,7 @@ decoder passes one view of both.
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 from nanoeuler_ops.swiglu import forward as swiglu
 
 
@@ -36,6 +36,21 @@ def sample_inputs(rng):
         g = 1.0 + 0.1 * rng.standard_normal(c)
         w = 2.0 * rng.standard_normal((2 * f, c)) / c ** 0.5  # gates reaching both tails of the sigmoid
         yield Sample((x, g, w), {"eps": 1e-5}, name=f"N{n}_C{c}_F{f}")
+
+
+def error_inputs(rng):
+    # (x, g, w shapes): g's size or w's inputs not x's features; w of an odd number of rows
+    for name, shapes in (("g5_for_C4", ((2, 4), (5,), (6, 4))), ("w_C5_for_C4", ((2, 4), (4,), (6, 5))),
+                         ("w_rows_5", ((2, 4), (4,), (5, 4)))):
+        yield ErrorInput(Sample(tuple(rng.standard_normal(s) for s in shapes), {"eps": 1e-5}, name=name),
+                         match=r"norm_swiglu: need x \(N, C\), g \(C,\), w \(2F, C\)")
+
+
+def model_inputs(rng, cfg, rows):
+    C, F = cfg.dim, cfg.hidden_dim
+    normal = rng.standard_normal
+    return Sample((normal((rows, C)), 1 + 0.1 * normal(C), 0.05 * normal((2 * F, C))), {"eps": 1e-5},
+                  name=f"N{rows}_C{C}_F{F}")
 
 
 OP = define_op(globals(), "Decoding: silu(h w_gate.T) * (h w_up.T) with h = rmsnorm(x; g), batch-invariant (forward only)",

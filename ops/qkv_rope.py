@@ -17,7 +17,7 @@ The model computes q, k and v with one matrix product against the stacked weight
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 
 
 def cos_sin(T, D, theta, start_pos):
@@ -78,6 +78,22 @@ def sample_inputs(rng):
         qkv = rng.standard_normal((b, t, (h + 2 * kv) * d))
         yield Sample((qkv,), {"n_heads": h, "n_kv_heads": kv, "theta": 10000.0, "start_pos": start_pos},
                      grad_inputs=(0,), name=f"B{b}_T{t}_H{h}_KV{kv}_D{d}_p{start_pos}")
+
+
+def error_inputs(rng):
+    # (width of qkv, H, KV): 36 columns are no whole number of 4 + 2 * 2 = 8 heads; 8 heads of an odd size (3)
+    for name, width, h, kv in (("width_vs_heads", 36, 4, 2), ("odd_D", 8 * 3, 4, 2)):
+        yield ErrorInput(Sample((rng.standard_normal((1, 2, width)),),
+                                {"n_heads": h, "n_kv_heads": kv, "theta": 10000.0}, name=name),
+                         match=rf"qkv_rope: need qkv \(B, T, \(H \+ 2 KV\) D\) with an even D for H={h}, KV={kv}")
+
+
+def model_inputs(rng, cfg, rows):
+    """rows // ctx_len sequences of ctx_len tokens (a training batch)."""
+    B, T, H, KV = rows // cfg.ctx_len, cfg.ctx_len, cfg.n_heads, cfg.n_kv_heads
+    qkv = rng.standard_normal((B, T, (H + 2 * KV) * cfg.head_dim))
+    return Sample((qkv,), {"n_heads": H, "n_kv_heads": KV, "theta": 10000.0, "start_pos": 0}, grad_inputs=(0,),
+                  name=f"B{B}_T{T}_H{H}_KV{KV}_D{cfg.head_dim}")
 
 
 OP = define_op(globals(), "Split a fused q/k/v projection into heads; rotary position embedding of q and k",

@@ -42,7 +42,7 @@ thus depends only on its own seed, logits and tokens, never on the batch around 
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 
 STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
 MAX_SEED = 2**62   # seeds lie in [0, MAX_SEED)
@@ -186,6 +186,24 @@ def sample_inputs(rng):
         mixed = "mixed" if len(set(temperature.tolist())) > 1 else f"t{temperature[0]}"
         yield Sample((logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p), {"max_pos": max_pos},
                      name=f"B{b}_T{t}_K{k}_V{v}_{mixed}")
+
+
+def error_inputs(rng):
+    # a step of B = 2 rows, T = 1 token, K = 2 heads over V = 5 tokens, spoilt one way at a time
+    B, K, V = 2, 2, 5
+
+    def step(tokens=(B, K), t=1, temperature=(0.0, 0.8), top_p=(1.0, 1.0)):
+        return (rng.standard_normal((B, t, K, V)), np.zeros(tokens, dtype=np.int64), np.full((B, K - 1, V), 1 / V),
+                np.arange(B), np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64),
+                np.array(temperature), np.zeros(B, dtype=np.int64), np.array(top_p))
+
+    shapes = r"sample: logits \(2, \d, 2, 5\) need tokens \(B, K\)"
+    settings = "need temperature >= 0, top_k >= 0, 0 < top_p <= 1 in every row"
+    for name, inputs, match, host_values in (("tokens_K3", step(tokens=(B, K + 1)), shapes, False),
+                                             ("T3_over_K2", step(t=3), shapes, False),
+                                             ("temperature_negative", step(temperature=(0.0, -1.0)), settings, True),
+                                             ("top_p_0", step(top_p=(1.0, 0.0)), settings, True)):
+        yield ErrorInput(Sample(inputs, {"max_pos": 100}, name=name), match=match, host_values=host_values)
 
 
 OP = define_op(globals(), "Decoding: draw next tokens; verify speculative proposals (speculative sampling), counter-based RNG",

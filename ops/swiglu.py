@@ -9,7 +9,7 @@ Backward: dx = [dgate | dup], dgate = dy * up * s * (1 + gate * (1 - s)), dup = 
 
 import numpy as np
 
-from nanoeuler_core.registry import Sample, define_op
+from nanoeuler_core.registry import ErrorInput, Sample, define_op
 
 
 def _sigmoid(z):
@@ -39,6 +39,17 @@ def sample_inputs(rng):
         gate = 2.0 * rng.standard_normal((n, f))  # wide enough to reach both tails of the sigmoid
         up = rng.standard_normal((n, f))
         yield Sample((np.concatenate((gate, up), axis=1),), grad_inputs=(0,), name=f"N{n}_F{f}")
+
+
+def error_inputs(rng):
+    for name, shape in (("odd_width", (3, 5)), ("x_3d", (2, 3, 4))):
+        yield ErrorInput(Sample((rng.standard_normal(shape),), name=name), match=r"swiglu: need x \(N, 2F\)")
+
+
+def model_inputs(rng, cfg, rows):
+    gate = 2.0 * rng.standard_normal((rows, cfg.hidden_dim))
+    up = rng.standard_normal((rows, cfg.hidden_dim))
+    return Sample((np.concatenate((gate, up), axis=1),), grad_inputs=(0,), name=f"N{rows}_F{cfg.hidden_dim}")
 
 
 OP = define_op(globals(), "SwiGLU gating silu(gate) * up of x = [gate | up]", precisions={"cuda": ("bf16",)})

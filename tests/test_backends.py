@@ -19,7 +19,7 @@ from nanoeuler_core.engine import gradcheck
 from nanoeuler_core.engine.gradcheck import check_op
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.model import Model
-from nanoeuler_core.registry import BACKENDS_GROUP, KERNELS_GROUP, Registry
+from nanoeuler_core.registry import BACKENDS_GROUP, KERNELS_GROUP, Impl, Registry
 
 MINIMAL_OPS = {"add", "linear", "swiglu"}
 
@@ -57,6 +57,22 @@ def test_gradcheck_checks_the_ops_it_has_and_skips_the_others(minimal):
     assert any(c.what.endswith("+=") for c in checks)   # linear adds its gradients in place on it too
     assert "minimal" not in gradcheck.available_backends(registry.op("attention"))
     assert not gradcheck.runs_model("minimal") and gradcheck.runs_model("cpu")
+
+
+def test_every_backend_is_held_to_the_calls_an_op_must_refuse(minimal, monkeypatch):
+    op = registry.op("add")
+    checks = gradcheck.refusal_checks(op, ["minimal"])
+    assert {c.backend for c in checks} == {"reference", "minimal"} and all(c.ok for c in checks)
+    # a kernel that forgot the spec's check: NumPy broadcasts one error input and words the other its own way
+    monkeypatch.setitem(op._loaded, "minimal", Impl(lambda a, b: (a + b, ()), lambda dy, saved, a, b: (dy, dy)))
+    failed = {c.sample: c.line() for c in gradcheck.refusal_checks(op, ["minimal"]) if not c.ok}
+    assert set(failed) == {"2x3_vs_1x3", "2x3_vs_3x2"}
+    assert failed["2x3_vs_1x3"].endswith("; got no error")
+    assert "; got the message 'operands could not be broadcast" in failed["2x3_vs_3x2"]
+    result = CliRunner().invoke(app, ["gradcheck", "--op", "add", "--op", "attention", "--backend", "minimal"])
+    assert result.exit_code == 1
+    assert "minimal: checked; lacks op attention" in result.output
+    assert "gradcheck FAILED: 2 check(s) out of bounds" in result.output
 
 
 def test_model_on_a_backend_lacking_an_op_is_refused_in_one_line(minimal):

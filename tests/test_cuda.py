@@ -1,6 +1,8 @@
 """The CUDA kernels against their CPU twins at the `gpu` preset's sizes, on a real GPU only
-(the simulator covers small shapes through tests/test_ops.py). Agreement is measured as
-||cuda - cpu|| / ||cpu|| per output, float32 accumulations in different orders on each side."""
+(the simulator covers small shapes through tests/test_ops.py). Every registered op with CUDA
+kernels is here: at model sizes where its spec declares `model_inputs`, else on its ordinary
+samples. Agreement is measured as ||cuda - cpu|| / ||cpu|| per output, float32 accumulations in
+different orders on each side."""
 
 import numba
 import numpy as np
@@ -8,49 +10,28 @@ import pytest
 from numba import cuda
 
 from nanoeuler_core import registry
+from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.gradcheck import random_like, run_backend, stored_values
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(bool(numba.config.ENABLE_CUDASIM) or not cuda.is_available(),
                                  reason="needs a real CUDA GPU")]
 
-B, T, C, H, KV, D, F, V = 4, 512, 768, 12, 4, 64, 2048, 4096   # the gpu preset, batch 4
-N = B * T
+GPU = ModelConfig.preset("gpu")
+N = 4 * GPU.ctx_len   # rows of a batch of 4 sequences
+C, H, KV, D, F = GPU.dim, GPU.n_heads, GPU.n_kv_heads, GPU.head_dim, GPU.hidden_dim
 REL_TOL = 2e-5
 BF16_REL_TOL = 1e-2   # bf16 storage of outputs and intermediates (8 significant bits), float32 sums
-BF16_OPS = ["embedding", "rmsnorm", "add_rmsnorm", "linear", "qkv_rope", "attention", "swiglu", "add",
-            "cross_entropy"]
+CUDA_OPS = sorted(name for name, op in registry.ops().items() if "cuda" in op.backends)
+BF16_OPS = [name for name in CUDA_OPS if "bf16" in registry.op(name).precisions_on("cuda")]
 
 
-def _inputs(name, rng):
-    """(inputs, attrs) of one op at model sizes."""
-    normal = rng.standard_normal
-    if name == "embedding":
-        return (rng.integers(0, V, N), 0.02 * normal((V, C))), {}
-    if name == "rmsnorm":
-        return (normal((N, C)), 1.0 + 0.1 * normal(C)), {"eps": 1e-5}
-    if name == "linear":
-        return (normal((N, C)), 0.02 * normal((F, C))), {}
-    if name == "attention":
-        return (normal((B, T, H, D)), normal((B, T, KV, D)), normal((B, T, KV, D))), {}
-    if name == "swiglu":
-        return (np.concatenate((2.0 * normal((N, F)), normal((N, F))), axis=1),), {}
-    if name == "qkv_rope":
-        return (normal((B, T, (H + 2 * KV) * D)),), {"n_heads": H, "n_kv_heads": KV, "theta": 10000.0, "start_pos": 0}
-    if name == "add_rmsnorm":
-        return (normal((N, C)), normal((N, C)), 1.0 + 0.1 * normal(C)), {"eps": 1e-5}
-    if name == "add":
-        return (normal((N, C)), normal((N, C))), {}
-    if name == "cross_entropy":
-        targets = rng.integers(0, V, N)
-        targets[rng.choice(N, N // 10, replace=False)] = -1
-        return (3.0 * normal((N, V)), targets), {}
-    if name == "adamw":
-        P = 3_000_001
-        attrs = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "n_decay": 2_000_000,
-                 "max_grad_norm": 1.0}
-        return (normal(P), normal(P), 0.1 * normal(P), 0.01 * rng.random(P), np.array([3e-4, 5.0])), attrs
-    raise KeyError(name)
+def _samples(name, rng, precision="fp32"):
+    """The op's call at the gpu preset's sizes, or its ordinary samples where it declares none."""
+    op = registry.op(name)
+    if op.model_inputs is not None:
+        return [op.model_inputs(rng, GPU, N)]
+    return [sample for sample in op.sample_inputs(rng) if precision in sample.precisions]
 
 
 def _rel_err(x, y):
@@ -72,21 +53,21 @@ def _compare_backends(name, inputs, attrs, rng, precision="fp32"):
     return errors
 
 
-@pytest.mark.parametrize("name", BF16_OPS + ["adamw"])
+@pytest.mark.parametrize("name", CUDA_OPS)
 def test_cuda_matches_cpu_at_model_size(name):
     rng = np.random.default_rng(0)
-    inputs, attrs = _inputs(name, rng)
-    errors = _compare_backends(name, inputs, attrs, rng)
-    assert all(np.isfinite(e) and e < REL_TOL for e in errors.values()), f"{name}: {errors}"
+    for sample in _samples(name, rng):
+        errors = _compare_backends(name, sample.inputs, sample.attrs, rng)
+        assert all(np.isfinite(e) and e < REL_TOL for e in errors.values()), f"{name} {sample.name}: {errors}"
 
 
 @pytest.mark.parametrize("name", BF16_OPS)
 def test_cuda_bf16_matches_cpu_at_model_size(name):
     """bf16 storage on the GPU against float32 on the CPU, from the same bf16-rounded inputs."""
     rng = np.random.default_rng(0)
-    inputs, attrs = _inputs(name, rng)
-    errors = _compare_backends(name, inputs, attrs, rng, "bf16")
-    assert all(np.isfinite(e) and e < BF16_REL_TOL for e in errors.values()), f"{name}: {errors}"
+    for sample in _samples(name, rng, "bf16"):
+        errors = _compare_backends(name, sample.inputs, sample.attrs, rng, "bf16")
+        assert all(np.isfinite(e) and e < BF16_REL_TOL for e in errors.values()), f"{name} {sample.name}: {errors}"
 
 
 @pytest.mark.parametrize("b, t, s, h, kv, d", [(2, 77, 77, 6, 2, 32), (3, 1, 130, 4, 4, 64), (1, 200, 333, 8, 1, 64),
@@ -127,12 +108,12 @@ def test_linear_tf32_within_its_bound():
     if not cublas.uses_cublas():
         pytest.skip("cuBLAS (nvmath-python) not installed")
     rng = np.random.default_rng(2)
-    inputs, attrs = _inputs("linear", rng)
+    sample = registry.op("linear").model_inputs(rng, GPU, N)
     from nanoeuler_core.registry import TF32
     from nanoeuler_ops.cuda import BACKEND
 
     with BACKEND.computing(TF32):
-        errors = _compare_backends("linear", inputs, attrs, rng)
+        errors = _compare_backends("linear", sample.inputs, sample.attrs, rng)
     assert all(e < 2e-3 for e in errors.values()), errors
 
 

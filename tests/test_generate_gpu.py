@@ -9,33 +9,28 @@ import pytest
 from numba import cuda
 
 from nanoeuler_core import registry
+from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.gradcheck import run_backend
 from nanoeuler_core.inference.decoder import DecodeStats, Sampling
+from nanoeuler_core.inference.decoder.forward import DECODE_OPS
+from nanoeuler_core.inference.decoder.weights import WEIGHT_OPS
 from nanoeuler_ops.sample import warped
-from test_generate import (MATRIX_OPS, PROMPTS, cycle_model, decode, on_backend,  # noqa: F401  (a fixture)
+from test_generate import (PROMPTS, cycle_model, decode, on_backend,  # noqa: F401  (a fixture)
                            run_with_bf16_weights)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(bool(numba.config.ENABLE_CUDASIM) or not cuda.is_available(),
                                  reason="needs a real CUDA GPU")]
 
-C, H, KV, D, F, V, K = 768, 12, 4, 64, 2048, 4096, 4   # the gpu preset
+GPU = ModelConfig.preset("gpu")
+K, V = GPU.n_mtp, GPU.vocab_size
 REL_TOL = 2e-5
 
 
-def _inputs(name, rng, N):
-    normal = rng.standard_normal
-    if name == "norm_linear":
-        return (normal((N, C)), 1 + 0.1 * normal(C), 0.02 * normal((K * V, C))), {"eps": 1e-5}
-    if name == "norm_swiglu":
-        return (normal((N, C)), 1 + 0.1 * normal(C), 0.05 * normal((2 * F, C))), {"eps": 1e-5}
-    if name == "linear_residual":
-        return (normal((N, F)), 0.02 * normal((C, F)), normal((N, C))), {}
-    if name == "decode_attention":
-        B, T, S = 3, N // 3 or 1, 515
-        return (normal((B, T, H + 2 * KV, D)), normal((B, S, KV, D)), normal((B, S, KV, D)),
-                np.array([300, 0, S - 2])), {"n_kv_heads": KV, "theta": 10000.0}
-    raise KeyError(name)
+def _inputs(name, rng, rows):
+    """(inputs, attrs) of a decoding op at the gpu preset's sizes, `rows` tokens (its spec's model_inputs)."""
+    sample = registry.op(name).model_inputs(rng, GPU, rows)
+    return sample.inputs, sample.attrs
 
 
 def _rel_err(x, y):
@@ -54,7 +49,9 @@ def _run(name, inputs, attrs, backend, weights="fp32"):
     return _outputs(name, inputs, attrs, backend)[0]
 
 
-CASES = [(name, "fp32") for name in [*MATRIX_OPS, "decode_attention"]] + [(name, "bf16") for name in MATRIX_OPS]
+# the decoding ops with inputs at model sizes, in float32; those reading bf16 weights, with them too
+CASES = [(name, "fp32") for name in DECODE_OPS if registry.op(name).model_inputs is not None] + \
+        [(name, "bf16") for name in WEIGHT_OPS]
 
 
 @pytest.mark.parametrize("name, weights", CASES)
@@ -78,8 +75,7 @@ def test_cuda_rows_do_not_depend_on_the_batch(name, weights):
         alone = _run(name, (qkv[2:, :1], k_cache[2:], v_cache[2:], pos[2:]), attrs, "cuda")
         assert np.array_equal(together[2, 0], alone[0, 0])
     else:
-        alone = _run(name, tuple(x[4:5] if x.ndim == 2 and x.shape[0] == 9 else x for x in inputs), attrs, "cuda",
-                     weights)
+        alone = _run(name, tuple(x[4:5] if x.shape[0] == 9 else x for x in inputs), attrs, "cuda", weights)
         assert np.array_equal(together[4], alone[0])
 
 

@@ -8,6 +8,7 @@ import sys
 import typer
 
 from nanoeuler_core.cli import data, engine, evaluate, finetune, interop, serve, tokenizer, train
+from nanoeuler_core.errors import USER_ERRORS, one_line
 
 app = typer.Typer(help="nanoeuler: train, check and sample a GPT-2-class model on a hand-written Numba engine.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -28,8 +29,8 @@ def main() -> None:
     """
     try:
         app()
-    except (ValueError, OSError, ArithmeticError) as exc:
+    except USER_ERRORS as exc:
         if os.environ.get("NANOEULER_DEBUG"):
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         sys.exit(1)

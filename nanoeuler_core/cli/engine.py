@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -33,49 +35,154 @@ def ops() -> None:
 def gradcheck_cmd(
     backend: Optional[str] = typer.Option(None, help="check only this backend against the reference (default: all usable)"),
     precision: str = typer.Option("fp32", help="fp32, tf32 or bf16: the ops (and the model) that run in this precision"),
+    op_names: list[str] = typer.Option([], "--op", metavar="NAME", help="check only this op (repeatable); the "
+                                                                       "model's checks then run only with --model"),
+    model: Optional[bool] = typer.Option(None, "--model/--no-model", help="check the whole model's gradients too "
+                                                                          "(default: yes, unless --op is given)"),
+    simulate: bool = typer.Option(False, "--simulate", help="run the kernels of a backend whose device is missing "
+                                                            "on its simulator (CUDA: Numba's CUDA simulator, slow)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="print every comparison, not one line per op"),
     seed: int = typer.Option(0, help="seed for the sample inputs"),
 ) -> None:
-    """Check every op (finite differences and every backend pair) and the whole model's gradients;
-    in a reduced precision, the backends running it against the float32 ones and the reference."""
+    """Check every op (finite differences, every backend pair, the calls it must refuse) and the whole
+    model's gradients; in a reduced precision, the backends running it against the float32 ones and
+    the reference. Says which backends it checked, and which it skipped and why."""
+    if simulate:
+        _restart_on_simulators()
     if backend is not None:
         registry.backend(backend)  # unknown names fail here with the list of backends
     registry.precision(precision)  # unknown names fail here with the list of precisions
+    ops = _selected_ops(op_names)
     only = [backend] if backend else None
-    failures = 0
-    typer.echo(f"== ops in {precision}: " + ("reference backward vs finite differences; every backend pair, "
-                                             "forward and backward" if precision == "fp32" else
-                                             "its backends against the float32 ones and the reference"))
-    for name, op in sorted(registry.ops().items()):
-        if precision not in gradcheck.op_precisions(op, only):
-            continue
-        checks = gradcheck.check_op(op, only, seed=seed, precision=precision)
-        failures += _echo_op_checks(name, checks, verbose)
-    typer.echo("== model (float64 reference): analytic gradient vs central finite differences")
-    failures += _echo_checks(gradcheck.check_model_finite_differences(seed))
+    check_model = model if model is not None else not op_names
+    checked_ops = {name: op for name, op in ops.items() if precision in gradcheck.op_precisions(op, only)}
     model_backends = [b for b in (only or registry.backends()) if not registry.backend(b).ground_truth
                       and registry.backend(b).available()
                       and registry.precision(precision) in registry.backend(b).precisions
                       and gradcheck.runs_model(b)]
-    for name in model_backends:
-        bound = gradcheck.MODEL_BACKEND_BOUND if precision == "fp32" else gradcheck.MODEL_PRECISION_BOUND[precision]
-        typer.echo(f"== model: {name} backend in {precision} vs reference, loss and every gradient tensor "
-                   f"(bound {bound:.0e} of each tensor's scale)")
-        failures += _echo_checks(gradcheck.check_model_backend(name, seed, bound=bound, precision=precision))
-    _verdict("gradcheck", failures)
+    status = _backend_status(ops, only, precision)
+    if precision != "fp32" and not checked_ops and not (check_model and model_backends):
+        raise ValueError(f"nothing to check in {precision}: no backend usable here runs it ("
+                         + "; ".join(f"{name}: {why.removeprefix('skipped, ')}" for name, (checked, why, _)
+                                     in status.items() if not checked) + ")")
+    typer.echo("== backends")
+    for name, (_, why, _) in status.items():
+        typer.echo(f"{name}: {why}")
+    failures = 0
+    typer.echo(f"== ops in {precision}: " + ("reference backward vs finite differences; every backend pair, "
+                                             "forward and backward; the calls each op must refuse"
+                                             if precision == "fp32" else
+                                             "its backends against the float32 ones and the reference"))
+    for name, op in ops.items():
+        if name not in checked_ops:
+            typer.echo(f"--   {name:<14} not checked: no backend usable here runs it in {precision}")
+            continue
+        checks = gradcheck.check_op(op, only, seed=seed, precision=precision)
+        refusals = gradcheck.refusal_checks(op, only, seed=seed) if precision == "fp32" else []
+        failures += _echo_op_checks(name, checks, verbose, refusals)
+    if check_model:
+        typer.echo("== model (float64 reference): analytic gradient vs central finite differences")
+        failures += _echo_checks(gradcheck.check_model_finite_differences(seed))
+        for name in model_backends:
+            bound = gradcheck.MODEL_BACKEND_BOUND if precision == "fp32" else gradcheck.MODEL_PRECISION_BOUND[precision]
+            typer.echo(f"== model: {name} backend in {precision} vs reference, loss and every gradient tensor "
+                       f"(bound {bound:.0e} of each tensor's scale)")
+            failures += _echo_checks(gradcheck.check_model_backend(name, seed, bound=bound, precision=precision))
+    else:
+        typer.echo("== model: not checked (--op checks the ops named; add --model for the model's gradients too)")
+    if failures:
+        _verdict("gradcheck", failures)
+    others = {}   # the other precisions the checked ops run in here -> those ops
+    for name, op in checked_ops.items():
+        for p in gradcheck.op_precisions(op, only):
+            if p != precision:
+                others.setdefault(p, []).append(name)
+    for p, names in others.items():
+        typer.echo(f"also in {p}: {', '.join(names)} (--precision {p} checks {'them' if len(names) > 1 else 'it'})")
+    typer.echo(_passed(list(checked_ops), precision, status, model_backends if check_model else None))
 
 
-def _echo_op_checks(name: str, checks, verbose: bool) -> int:
+def _passed(op_names: list[str], precision: str, status: dict, model_backends: list[str] | None) -> str:
+    """The verdict of a gradcheck that passed, claiming no more than it checked: the ops, the
+    backends, the model (None: not checked), and the backends left out with why."""
+    what = f"{len(op_names)} op{'s' if len(op_names) != 1 else ''}"
+    if len(op_names) <= 3:
+        what += f" ({', '.join(op_names) or 'none'})"
+    checked_on = [name for name, (checked, _, _) in status.items() if checked]
+    line = f"gradcheck passed: {what} in {precision} on {', '.join(checked_on)}"
+    if model_backends is not None:
+        line += "; the model's gradients: float64 vs finite differences" + \
+            (f", {', '.join(model_backends)} vs the reference" if model_backends else "")
+    left_out = [f"{name} ({short})" for name, (checked, _, short) in status.items() if not checked]
+    return line + (f"; not checked: {', '.join(left_out)}" if left_out else "")
+
+
+def _selected_ops(names: list[str]) -> dict:
+    """The registered ops called `names` (all of them, sorted, if none is named); a ValueError
+    naming the registered ops for a name that is none of them."""
+    ops = registry.ops()
+    unknown = [name for name in names if name not in ops]
+    if unknown:
+        raise ValueError(f"no op named {', '.join(repr(n) for n in unknown)} (registered: {', '.join(sorted(ops))})")
+    return {name: ops[name] for name in (dict.fromkeys(names) or sorted(ops))}
+
+
+def _backend_status(ops: dict, only: list[str] | None, precision: str) -> dict[str, tuple[bool, str, str]]:
+    """backend name -> (whether the checks of `ops` in `precision` run on it, what to say of it,
+    the same in a few words for a backend they skip)."""
+    status = {}
+    for name, be in sorted(registry.backends().items(), key=lambda item: not item[1].ground_truth):
+        lacking = [op for op in ops if name not in ops[op].backend_names()]
+        lacks = f"lacks op{'s' if len(lacking) > 1 else ''} {', '.join(lacking)}"
+        if be.ground_truth:
+            status[name] = (True, "the float64 ground truth the others are checked against", "")
+        elif only and name not in only:
+            status[name] = (False, f"not asked (--backend {only[0]})", "not asked")
+        elif not be.available():
+            simulate = f"; --simulate runs its kernels on {be.simulator}, slowly" if be.simulator else ""
+            status[name] = (False, f"skipped, not usable here ({be.install_hint or 'unavailable'}){simulate}",
+                            "not usable here" + ("; --simulate" if be.simulator else ""))
+        elif len(lacking) == len(ops):
+            status[name] = (False, f"skipped, {lacks}", lacks)
+        else:
+            where = f" on {be.simulator}" if be.simulated() else ""
+            runs = "" if registry.precision(precision) in be.precisions else \
+                f" in fp32, the baseline (it does not run {precision} here)"
+            status[name] = (True, f"checked{where}{runs}" + (f"; {lacks}" if lacking else ""), "")
+    return status
+
+
+def _restart_on_simulators() -> None:
+    """Run this command again with the simulator of every backend that is unusable here turned on:
+    a simulator is chosen by environment variables its library reads when it is first imported,
+    which has happened by now."""
+    env = {}
+    for be in registry.backends().values():
+        if be.simulator_env and not be.simulated() and not be.available():
+            env.update(be.simulator_env)
+    if not env:
+        return
+    if "--simulate" not in sys.argv:   # called from Python, not from the command line: nothing to restart
+        raise ValueError("--simulate needs " + " ".join(f"{k}={v}" for k, v in env.items())
+                         + " set before Python starts")
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "nanoeuler_core.cli", *sys.argv[1:]], {**os.environ, **env})
+
+
+def _echo_op_checks(name: str, checks, verbose: bool, refusals=()) -> int:
     """One line per op (every comparison with --verbose), the failures spelled out; returns how many failed."""
-    bad = [c for c in checks if not c.ok]
+    bad = [c for c in [*checks, *refusals] if not c.ok]
     if verbose:
-        for c in checks:
+        for c in [*checks, *refusals]:
             typer.echo("  " + c.line())
     else:
         backend_diffs = [c.max_abs for c in checks if c.b != "finite diff"]
         pairs = sorted({f"{c.a}/{c.b}" for c in checks})
+        refused = f"; refuses {len({c.sample for c in refusals})} error inputs on " \
+                  f"{', '.join(dict.fromkeys(c.backend for c in refusals))}" if refusals else ""
+        largest = f"largest backend difference {max(backend_diffs):.1e}" if backend_diffs else "no backend pair"
         typer.echo(f"{'ok  ' if not bad else 'FAIL'} {name:<14} {len(checks):>3} checks ({', '.join(pairs)}); "
-                   f"largest backend difference {max(backend_diffs, default=0.0):.1e}")
+                   f"{largest}{refused}")
         for c in bad:
             typer.echo("  " + c.line())
     return len(bad)

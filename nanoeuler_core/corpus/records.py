@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from nanoeuler_core.errors import unreadable
+
 
 def read_records(path: Path) -> list[tuple[str, dict]]:
     """The JSON objects of a JSON list or JSONL file, each with where it came from ("FILE line N")."""
@@ -14,7 +16,7 @@ def read_records(path: Path) -> list[tuple[str, dict]]:
     except FileNotFoundError:
         raise ValueError(f"data file {path} not found") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read data file {path}: {exc}") from None
+        raise ValueError(unreadable("data file", path, exc)) from None
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)

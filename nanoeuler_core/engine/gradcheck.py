@@ -7,7 +7,8 @@ For every registered op and every sample it yields:
     float32 ones and the float64 reference, within that precision's bound (`Op.tol_for`), on
     inputs rounded to what that precision stores;
   * for the inputs an op `accumulates`, a backward that adds into given arrays (`into`) agrees
-    across the backends too, starting from the same random contents.
+    across the backends too, starting from the same random contents;
+  * every backend refuses each of the op's `error_inputs` with the error and message it declares.
 
 A backend that lacks an op's kernels is simply not among that op's backends; the model checks
 skip a backend that lacks any op the model needs.
@@ -19,6 +20,7 @@ backend against another) are `check_model_finite_differences` and `check_model_b
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -27,9 +29,15 @@ import numpy as np
 from nanoeuler_core import registry
 from nanoeuler_core.registry import Op, Sample
 
+# The reference backward against central differences (L(x + h) - L(x - h)) / 2h in float64, whose
+# error is about h^2 L''' / 6 plus a rounding error of about 1e-16 |L| / h: near 1e-10 with h = 1e-6
+# where L is smooth. Within h of a kink (relu at 0, a max that changes hands) the two sides see
+# different slopes and the check fails whatever h is: an op's samples keep away from its kinks.
 FD_STEP = 1e-6
-FD_TOL = (1e-5, 1e-7)        # (rtol, atol) of the reference backward against finite differences
+FD_TOL = (1e-5, 1e-7)        # (rtol, atol): |analytic - numeric| <= atol + rtol |numeric|, elementwise
 FD_MAX_ELEMENTS = 48          # per input: larger inputs are probed at random elements
+FD_FAILURE_HINT = (f"finite differences with step {FD_STEP:g}, bound {FD_TOL[1]:g} + {FD_TOL[0]:g} |numeric|: "
+                   f"usually a sample within a step of a kink (e.g. relu at 0): keep samples away from kinks")
 
 
 @dataclass
@@ -44,11 +52,13 @@ class Check:
     max_abs: float
     max_rel: float
     ok: bool
+    hint: str = ""        # what a failure usually means, printed with it
 
     def line(self) -> str:
         status = "ok  " if self.ok else "FAIL"
+        hint = f"  ({self.hint})" if self.hint and not self.ok else ""
         return (f"{status} {self.op:<14} {self.sample:<16} {self.a + ' vs ' + self.b:<22} "
-                f"{self.what:<10} max abs {self.max_abs:.1e}  max rel {self.max_rel:.1e}")
+                f"{self.what:<10} max abs {self.max_abs:.1e}  max rel {self.max_rel:.1e}{hint}")
 
 
 def _compare(op: Op, sample: Sample, a: str, b: str, what: str, x, y, rtol, atol) -> Check:
@@ -155,7 +165,9 @@ def finite_difference_check(op: Op, sample: Sample, rng: np.random.Generator) ->
             flat[e] = keep
             numeric[j] = (up - down) / (2 * FD_STEP)
         analytic = np.asarray(grads[i]).reshape(-1)[probe]
-        checks.append(_compare(op, sample, "reference", "finite diff", f"grad x{i}", analytic, numeric, *FD_TOL))
+        check = _compare(op, sample, "reference", "finite diff", f"grad x{i}", analytic, numeric, *FD_TOL)
+        check.hint = FD_FAILURE_HINT
+        checks.append(check)
     return checks
 
 
@@ -190,6 +202,54 @@ def backend_pair_checks(op: Op, sample: Sample, backends: list[str], rng: np.ran
         for i in accumulating:
             checks.append(_compare(op, sample, label_a, label_b, f"grad x{i} +=", added[a][i], added[b][i],
                                    tol.rtol, tol.atol))
+    return checks
+
+
+@dataclass
+class RefusalCheck:
+    """Whether `backend` refused one of an op's error inputs as the op declares: `got` is what
+    happened instead ("" when refused as declared)."""
+
+    op: str
+    sample: str
+    backend: str
+    expected: str
+    got: str
+
+    @property
+    def ok(self) -> bool:
+        return not self.got
+
+    def line(self) -> str:
+        status = "ok  " if self.ok else "FAIL"
+        return f"{status} {self.op:<14} {self.sample:<16} {self.backend:<22} refuses: {self.expected}" + \
+            ("" if self.ok else f"; got {self.got}")
+
+
+def refusal_checks(op: Op, backends: list[str] | None = None, seed: int = 0) -> list[RefusalCheck]:
+    """Each of the op's error inputs on each of its usable `backends` (all by default): the forward
+    must raise the declared error with a message its pattern finds."""
+    if op.error_inputs is None:
+        return []
+    names = available_backends(op, backends)
+    host_arrays = {name: isinstance(registry.backend(name).asarray(np.zeros(1)), np.ndarray) for name in names}
+    checks = []
+    for case in op.error_inputs(np.random.default_rng(seed)):
+        expected = f'{case.error.__name__} matching "{case.match}"'
+        for name in names:
+            if case.host_values and not host_arrays[name]:
+                continue   # a device backend leaves these values to its caller
+            be = registry.backend(name)
+            args = tuple(be.asarray(x) if isinstance(x, np.ndarray) else x for x in case.sample.inputs)
+            try:
+                op.impl(name).forward(*args, **case.sample.attrs)
+            except case.error as exc:
+                got = "" if re.search(case.match, str(exc)) else f"the message {str(exc)!r}"
+            except Exception as exc:   # what the backend raised instead: the check's result
+                got = f"{type(exc).__name__}: {exc}"
+            else:
+                got = "no error"
+            checks.append(RefusalCheck(op.name, case.sample.name, name, expected, got))
     return checks
 
 

@@ -52,6 +52,7 @@ import jinja2.sandbox
 
 from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.checkpoint import CheckpointError
+from nanoeuler_core.errors import unreadable
 from nanoeuler_core.text.tokenizer import EOS
 
 
@@ -257,8 +258,8 @@ class ChatTemplate:
         try:
             source = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            reason = "not found" if isinstance(exc, FileNotFoundError) else f"unreadable ({_one_line(exc)})"
-            raise TemplateError(f"chat template file {path} {reason}: pass a Jinja file, or 'alpaca'") from None
+            advice = "" if isinstance(exc, UnicodeDecodeError) else ": pass a Jinja file, or 'alpaca'"
+            raise TemplateError(unreadable("chat template file", path, exc) + advice) from None
         return cls(source, special_tokens, name=str(path))
 
     @classmethod

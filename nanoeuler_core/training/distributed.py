@@ -38,6 +38,7 @@ import numpy as np
 
 from nanoeuler_core import registry
 from nanoeuler_core.collectives import Collectives
+from nanoeuler_core.errors import USER_ERRORS, one_line
 
 # Set in every process that mpiexec starts: MPICH (Hydra) and Intel MPI, Open MPI, PMIx launchers.
 LAUNCHER_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
@@ -186,11 +187,11 @@ def fail_together():
         if size <= 1:
             raise
         rank = _WORLD.rank if _WORLD is not None else _launcher_rank()
-        user_error = isinstance(exc, (ValueError, OSError, ArithmeticError))
+        user_error = isinstance(exc, USER_ERRORS)
         if isinstance(exc, KeyboardInterrupt):
             message = "interrupted twice: stopping at once"
         elif user_error and not os.environ.get("NANOEULER_DEBUG"):
-            message = str(exc)
+            message = one_line(exc)
         else:
             message = "".join(traceback.format_exception(exc)).rstrip()
         if rank != 0:

@@ -32,6 +32,7 @@ from nanoeuler_core.engine.checkpoint import CheckpointError
 from nanoeuler_core.engine.config import PRESETS, ModelConfig
 from nanoeuler_core.corpus.tokens import BatchLoader, check_length, default_corpus, load_tokens
 from nanoeuler_core.engine.optim import AdamW, lr_at
+from nanoeuler_core.errors import unreadable
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.engine.model import Model
 from nanoeuler_core import registry
@@ -140,7 +141,7 @@ def _tokenizer(tc: TrainConfig, corpus: Path, vocab_size: int, log: Callable[[st
     try:
         text = corpus.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read corpus {corpus}: {exc}") from None
+        raise ValueError(unreadable("corpus", corpus, exc)) from None
     return Tokenizer.train(text, vocab_size)
 
 

@@ -4,13 +4,13 @@ the add taken in. See nanoeuler_ops/add_rmsnorm.py."""
 import numpy as np
 
 from nanoeuler_ops import accumulated
-from nanoeuler_ops.add import check_same_shape
+from nanoeuler_ops.add_rmsnorm import check_shapes
 from nanoeuler_ops.cpu.rmsnorm import backward_rows, normalize_rows
 
 
 def forward(x, branch, w, *, eps):
     # x, branch (N, C), w (C,) -> (s = x + branch, y = rmsnorm(s)); saved (s, rstd (N,))
-    check_same_shape(x, branch)
+    check_shapes(x, branch, w)
     s = np.empty_like(x)
     y = np.empty_like(x)
     rstd = np.empty(x.shape[0], dtype=x.dtype)

@@ -5,10 +5,12 @@ See nanoeuler_ops/linear.py."""
 import numpy as np
 
 from nanoeuler_ops.cpu.common import gemm
+from nanoeuler_ops.linear import check_shapes
 
 
 def forward(x, w):
     # x (N, C), w (O, C) -> y (N, O)
+    check_shapes(x, w)
     y = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
     return gemm(x, w, y, trans_b=True), ()
 

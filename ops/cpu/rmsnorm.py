@@ -10,10 +10,12 @@ from numba import njit, prange
 
 from nanoeuler_ops import accumulated
 from nanoeuler_ops.cpu.common import REDUCE_FASTMATH, n_chunks
+from nanoeuler_ops.rmsnorm import check_shapes
 
 
 def forward(x, w, *, eps):
     # x (N, C), w (C,) -> y (N, C); saved rstd (N,)
+    check_shapes(x, w)
     y = np.empty_like(x)
     rstd = np.empty(x.shape[0], dtype=x.dtype)
     normalize_rows(x, x, False, w, np.float32(eps), x, y, rstd)

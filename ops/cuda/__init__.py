@@ -24,6 +24,8 @@ class CudaBackend(Backend):
     dtype = np.float32
     kernel_packages = ("nanoeuler_ops.cuda",)
     install_hint = "it needs an NVIDIA GPU and pip install 'nanoeuler[cuda]'"
+    simulator = "Numba's CUDA simulator"
+    simulator_env = {"NUMBA_ENABLE_CUDASIM": "1"}
     implements = ("fp32", "tf32", "bf16")   # tf32 and bf16 where the GPU has tensor cores
     multi_token_step_cheap = True   # reading the weights dominates a step: K tokens cost about what 1 does
     captures = True                 # a CUDA graph: one launch for the kernels of a step or a prefill

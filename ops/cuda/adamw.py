@@ -18,6 +18,7 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.adamw import check_buffers
 from nanoeuler_ops.cuda.runtime import block_reduce
 
 THREADS = 256
@@ -95,6 +96,7 @@ def _update(params, grads, m, v, sched, sum_squares, norm_out, beta1, beta2, eps
 
 def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm,
             reduce_sum_squares=None):
+    check_buffers(params, grads, m, v, sched, n_decay)
     size = params.shape[0]
     blocks = min(MAX_PARTIALS, runtime.blocks_for(size, THREADS))
     partial = runtime.empty((blocks,), np.float64)

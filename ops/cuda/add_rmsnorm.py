@@ -1,12 +1,12 @@
 """Residual add then RMSNorm on the GPU: one pass forward, one backward (the rmsnorm kernels with
 their residual variants). See nanoeuler_ops/add_rmsnorm.py for the math."""
 
-from nanoeuler_ops.add import check_same_shape
+from nanoeuler_ops.add_rmsnorm import check_shapes
 from nanoeuler_ops.cuda import rmsnorm
 
 
 def forward(x, branch, w, *, eps):
-    check_same_shape(x, branch)
+    check_shapes(x, branch, w)
     return rmsnorm.add_forward(x, branch, w, eps=eps)
 
 

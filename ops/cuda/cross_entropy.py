@@ -65,7 +65,7 @@ def _backward(dlosses, logits, targets, lse, dlogits):
 
 
 def forward(logits, targets):
-    runtime.check_on_host(check_targets, targets, logits.shape[1])
+    runtime.check_on_host(check_targets, targets, logits.shape[1], logits.shape[0])
     N = logits.shape[0]
     losses = runtime.empty((N,), np.float32)
     lse = runtime.empty((N,), np.float32)

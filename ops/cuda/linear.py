@@ -6,10 +6,12 @@ import numpy as np
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.cublas import matmul
+from nanoeuler_ops.linear import check_shapes
 
 
 def forward(x, w):
     # x (N, C), w (O, C) -> y (N, O) = x @ w.T
+    check_shapes(x, w)
     y = runtime.empty((x.shape[0], w.shape[0]), x.dtype)
     matmul(x, w, y, trans_b=True)
     return y, ()

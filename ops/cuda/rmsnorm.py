@@ -27,6 +27,7 @@ from numba import cuda, float32, uint64
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.runtime import WARP, pair_values, pairs, stored_pair, warp_sum
+from nanoeuler_ops.rmsnorm import check_shapes
 
 MAX_WORDS = 32             # pairs of a row one lane may hold: rows of up to 2 * 32 * 32 = 2048 elements
 FORWARD_ROWS = 4           # rows (warps) per block in the forward
@@ -200,6 +201,7 @@ def _lane_words(C):
 
 
 def forward(x, w, *, eps):
+    check_shapes(x, w)
     N, C = x.shape
     y = runtime.empty(x.shape, x.dtype)
     rstd = runtime.empty((N,), np.float32)
