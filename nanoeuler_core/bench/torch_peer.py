@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nanoeuler_core.bench.measure import peak_rss_mb
+
 
 def rope_tables(T: int, D: int, theta: float, start: int = 0, device=None):
     inv_freq = theta ** (-np.arange(0, D // 2) * 2.0 / D)
@@ -125,11 +127,9 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def memory_mb(device: str) -> float:
+def peer_memory_mb(device: str) -> float:
     """Memory in use: the GPU's (total - free) for a GPU device, else this process's peak resident set."""
     if torch.device(device).type != "cpu":
         free, total = torch.cuda.mem_get_info(device)
         return (total - free) / 2**20
-    from nanoeuler_core.bench.training import peak_rss_mb
-
     return peak_rss_mb()
