@@ -1,7 +1,7 @@
 """The nanoeuler architecture in PyTorch, the peer of `nanoeuler-run bench` and of the decoding
 benchmark (the engine never imports it).
 
-Same math as SPEC.md section 1 and the same parameter names and layout, so
+Same math as docs/model.md and the same parameter names and layout, so
 `TorchModel(cfg).load(model.params)` runs the very weights of a nanoeuler model. Decoding uses a
 static KV cache, gpt-fast style: `setup_cache(batch, length)` allocates it once, and
 `next_token(ids, pos)` feeds tokens at positions `pos` with fixed shapes, so torch.compile can
