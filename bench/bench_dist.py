@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from nanoeuler_core.bench.training import memory_mb
+from nanoeuler_core.bench.measure import memory_mb
 from nanoeuler_core.corpus.tokens import BatchLoader
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.model import Model

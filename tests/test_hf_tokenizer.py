@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoeuler_core.text.tokenizer import HFTokenizer, Tokenizer, TokenizerError
+from nanoeuler_core.text.hf_tokenizer import HFTokenizer
+from nanoeuler_core.text.tokenizer import Tokenizer, TokenizerError
 
 tokenizers = pytest.importorskip("tokenizers")
 from tokenizers import Regex, decoders, models, trainers  # noqa: E402
@@ -107,7 +108,7 @@ def unordered_merges_document(missing: tuple[int, ...] = (), unk: str | None = N
     Face's queue then departs from a strict rank order, and its answer is the one to reproduce.
     The bytes in `missing` get no vocabulary entry (ids stay contiguous); `unk` names an unknown token;
     without `use_regex` the whole text is one pretoken."""
-    from nanoeuler_core.text.tokenizer import BYTE_TO_CHAR
+    from nanoeuler_core.text.hf_json import BYTE_TO_CHAR
 
     vocab = {char: i for i, char in enumerate(c for b, c in enumerate(BYTE_TO_CHAR) if b not in missing)}
     merges = ["ab a", "b c", "a b", "bc a", "c ab", "ab c", "a bc", "ca b", "aba b", "c a", "abc abc", "a a",
@@ -241,7 +242,7 @@ MISSING_CHARS = "\x04\x06\x13\x14\x16\x1d\U00040000\U00080000\U000e0001\U000e010
 @pytest.fixture(scope="module")
 def gappy():
     """(Hugging Face tokenizer, ours) of a SmolLM2-like vocabulary trained by `tokenizers` without those bytes."""
-    from nanoeuler_core.text.tokenizer import BYTE_TO_CHAR
+    from nanoeuler_core.text.hf_json import BYTE_TO_CHAR
 
     hf = tokenizers.Tokenizer(models.BPE())
     hf.pre_tokenizer = pre.Sequence([pre.Digits(individual_digits=True), pre.ByteLevel(add_prefix_space=False)])

@@ -187,7 +187,7 @@ def train_smol_tokenizer(missing: tuple[int, ...] = ()) -> "tokenizers.Tokenizer
     from tokenizers import decoders, models, trainers
     from tokenizers import pre_tokenizers as pre
 
-    from nanoeuler_core.text.tokenizer import CHAR_TO_BYTE
+    from nanoeuler_core.text.hf_json import CHAR_TO_BYTE
 
     hf_tok = tokenizers.Tokenizer(models.BPE())
     hf_tok.pre_tokenizer = pre.Sequence([pre.Digits(individual_digits=True), pre.ByteLevel(add_prefix_space=False)])

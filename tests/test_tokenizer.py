@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from nanoeuler_core.cli.tokenizer import app
-from nanoeuler_core.text.tokenizer import BYTE_TO_CHAR, Tokenizer, TokenizerError, _line_chunks, pretokenize
+from nanoeuler_core.text.hf_json import BYTE_TO_CHAR
+from nanoeuler_core.text.pretokenizer import line_chunks, pretokenize
+from nanoeuler_core.text.tokenizer import Tokenizer, TokenizerError
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -189,7 +191,7 @@ def test_training_errors(text, vocab_size, kwargs, message):
 @settings(max_examples=100, deadline=None)
 @given(text=st.text(st.sampled_from("ab \n\t.'"), max_size=200), size=st.integers(1, 20))
 def test_line_chunks_pretokenize_like_the_whole(text, size):
-    pieces = _line_chunks(text, size)
+    pieces = line_chunks(text, size)
     assert "".join(pieces) == text
     assert [w for piece in pieces for w in pretokenize(piece)] == pretokenize(text)
 

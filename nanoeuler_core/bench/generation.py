@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from nanoeuler_core.bench.training import _run_worker, memory_mb
+from nanoeuler_core.bench.measure import memory_mb, run_worker
 
 MODULE = "nanoeuler_core.bench.generation"
 PEAK_GB_PER_S = {"H100": 3350.0, "H200": 4800.0}   # the cards' memory bandwidth (H100 SXM HBM3, H200 HBM3e)
@@ -190,8 +190,8 @@ def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, comp
 
         prefill_once()
         prefill_s = statistics.median(_timed(prefill_once, repeats, sync))
-    return {"median_s": statistics.median(times), "memory_mb": torch_peer.memory_mb(device), "tokens": first[0].tolist(),
-            "torch": torch.__version__, "prefill_s": prefill_s}
+    return {"median_s": statistics.median(times), "memory_mb": torch_peer.peer_memory_mb(device),
+            "tokens": first[0].tolist(), "torch": torch.__version__, "prefill_s": prefill_s}
 
 
 def _agreement(tokens: list[int], reference: list[int]) -> str:
@@ -232,8 +232,8 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
     common = dict(preset=preset, run=run_dir, backend=backend, batch_size=batch_size, prompt=prompt, tokens=tokens,
                   repeats=repeats, prompt_from=prompt_from)
     modes = {"nanoeuler plain": False, "nanoeuler speculative": True, "nanoeuler default": None}
-    ours = _run_worker({**common, "engine": "nanoeuler", "temperature": temperature, "modes": list(modes.values()),
-                        "weights": weights, "prefill": prefill}, MODULE)
+    ours = run_worker({**common, "engine": "nanoeuler", "temperature": temperature, "modes": list(modes.values()),
+                       "weights": weights, "prefill": prefill}, MODULE)
     rows = dict(zip(modes, ours or [None] * len(modes)))
     if peers and temperature == 0:
         try:
@@ -241,10 +241,10 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
         except ImportError:
             echo("torch is not installed: no peer comparison (pip install 'nanoeuler[bench]')")
         else:
-            rows["torch eager, KV cache"] = _run_worker({**common, "engine": "torch", "compile": False,
-                                                         "prefill": prefill}, MODULE)
+            rows["torch eager, KV cache"] = run_worker({**common, "engine": "torch", "compile": False,
+                                                        "prefill": prefill}, MODULE)
             if be.peer_device != "cpu":   # CUDA graphs: a GPU peer only
-                rows["torch compile, static cache + CUDA graphs"] = _run_worker(
+                rows["torch compile, static cache + CUDA graphs"] = run_worker(
                     {**common, "engine": "torch", "compile": True}, MODULE)
     plain = rows.get("nanoeuler plain")
     echo(f"{'engine':<44}{'tokens/s':>10}{'ms/step':>10}{'memory MB':>11}{'vs plain':>10}{'same tokens':>13}")

@@ -1,7 +1,7 @@
 """The nanoeuler architecture in PyTorch, the peer of `nanoeuler-run bench` and of the decoding
 benchmark (the engine never imports it).
 
-Same math as SPEC.md section 1 and the same parameter names and layout, so
+Same math as docs/model.md and the same parameter names and layout, so
 `TorchModel(cfg).load(model.params)` runs the very weights of a nanoeuler model. Decoding uses a
 static KV cache, gpt-fast style: `setup_cache(batch, length)` allocates it once, and
 `next_token(ids, pos)` feeds tokens at positions `pos` with fixed shapes, so torch.compile can
@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from nanoeuler_core.bench.measure import peak_rss_mb
 
 
 def rope_tables(T: int, D: int, theta: float, start: int = 0, device=None):
@@ -125,11 +127,9 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def memory_mb(device: str) -> float:
+def peer_memory_mb(device: str) -> float:
     """Memory in use: the GPU's (total - free) for a GPU device, else this process's peak resident set."""
     if torch.device(device).type != "cpu":
         free, total = torch.cuda.mem_get_info(device)
         return (total - free) / 2**20
-    from nanoeuler_core.bench.training import peak_rss_mb
-
     return peak_rss_mb()

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+from nanoeuler_core.bench.measure import memory_mb, run_worker
+
+MODULE = "nanoeuler_core.bench.training"
 
 # Dense tensor-core / FP32 peaks (vendor datasheets, SXM parts), for model FLOPs utilisation.
 PEAK_TFLOPS = {"H100": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}, "H200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}}
@@ -28,13 +31,6 @@ def _batch(cfg, batch_size: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, cfg.vocab_size, (batch_size, cfg.ctx_len + 1))
     return ids[:, :-1], ids[:, 1:]
-
-
-def memory_mb(backend) -> float:
-    """Memory in use: the device's (total - free, the figure nvidia-smi shows) where the backend
-    has device memory, else this process's peak resident set."""
-    in_use = backend.memory_in_use()
-    return in_use / 2**20 if in_use is not None else peak_rss_mb()
 
 
 def worker_nanoeuler(preset: str, backend: str, batch_size: int, steps: int, warmup: int, precision: str,
@@ -100,7 +96,7 @@ def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup:
     import torch
 
     from nanoeuler_core import Model, ModelConfig, registry
-    from nanoeuler_core.bench.torch_peer import TorchModel, memory_mb, synchronize
+    from nanoeuler_core.bench.torch_peer import TorchModel, peer_memory_mb, synchronize
 
     device = registry.backend(backend).peer_device
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
@@ -128,7 +124,7 @@ def worker_torch(preset: str, backend: str, batch_size: int, steps: int, warmup:
         synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - t)
-    return {"median_s": statistics.median(times), "memory_mb": memory_mb(device), "torch": torch.__version__}
+    return {"median_s": statistics.median(times), "memory_mb": peer_memory_mb(device), "torch": torch.__version__}
 
 
 def cpu_threads() -> int:
@@ -136,29 +132,6 @@ def cpu_threads() -> int:
     cores this process may run on (its affinity: `taskset -c 0,1` makes a 2-core machine)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return int(os.environ.get("NUMBA_NUM_THREADS") or 0) or cores
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _run_worker(args: dict, module: str = "nanoeuler_core.bench.training") -> dict | None:
-    """Run `module` as a script in a fresh process with the JSON `args`; its last output line, parsed."""
-    import nanoeuler_core
-
-    env = dict(os.environ)
-    first = ""
-    if args["engine"] == "torch":
-        # nanoeuler_core's import tunes OpenMP's idle threads for Numba: the peer keeps its own defaults
-        for name in nanoeuler_core.THREAD_ENV_SET_HERE:
-            env.pop(name, None)
-        first = "import torch; "
-    code = first + f"import runpy; runpy.run_module('{module}', run_name='__main__')"
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, env=env)
-    if out.returncode:
-        print(f"{args['engine']} worker failed: {out.stderr.strip()[-1500:]}", file=sys.stderr)
-        return None
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def start_time(cache_dir: str) -> float:
@@ -189,17 +162,17 @@ def run(preset: str, backend: str, batch_size: int, steps: int, warmup: int, pre
          f"training step (forward, backward, clipping, AdamW), median of {steps} after {warmup} warm-up"
          + ("; nanoeuler recomputes activations (--recompute)" if recompute else ""))
     common = dict(preset=preset, backend=backend, batch_size=batch_size, steps=steps, warmup=warmup, precision=precision)
-    rows = {f"nanoeuler {backend} {precision}": _run_worker({**common, "engine": "nanoeuler", "profile": profile,
-                                                             "recompute": recompute})}
+    rows = {f"nanoeuler {backend} {precision}": run_worker({**common, "engine": "nanoeuler", "profile": profile,
+                                                            "recompute": recompute}, MODULE)}
     if peers:
         try:
             import torch  # noqa: F401  (only to know whether the peers can run)
         except ImportError:
             echo("torch is not installed: no peer comparison (pip install 'nanoeuler[bench]')")
         else:
-            rows[f"torch eager {precision}"] = _run_worker({**common, "engine": "torch", "compile": False})
+            rows[f"torch eager {precision}"] = run_worker({**common, "engine": "torch", "compile": False}, MODULE)
             if be.peer_device != "cpu":   # torch.compile's CPU code is not what its users run
-                rows[f"torch compile {precision}"] = _run_worker({**common, "engine": "torch", "compile": True})
+                rows[f"torch compile {precision}"] = run_worker({**common, "engine": "torch", "compile": True}, MODULE)
     peak = next((v[precision] for k, v in PEAK_TFLOPS.items() if k in machine), None)
     echo(f"{'engine':<28}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'memory MB':>12}{'vs ours':>9}")
     ours = rows[f"nanoeuler {backend} {precision}"]

@@ -46,7 +46,8 @@ from nanoeuler_core.engine.checkpoint import FORMAT, CheckpointError
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.inference.template import ChatTemplate
-from nanoeuler_core.text.tokenizer import Tokenizer, configured_eos
+from nanoeuler_core.text.hf_json import configured_eos
+from nanoeuler_core.text.tokenizer import Tokenizer
 from nanoeuler_core.training.pretrain import TrainConfig
 
 MTP_FILE = "mtp_heads.safetensors"
