@@ -1,4 +1,4 @@
-"""Precision as a dimension of the engine (SPEC.md section 7): bf16 mixed precision on the CUDA
+"""Precision as a dimension of the engine (docs/model.md): bf16 mixed precision on the CUDA
 backend (the simulator here, a GPU where there is one) keeps float32 master weights and
 checkpoints, trains, stays within its bound of float32, and is refused, in one line, where it
 cannot run."""

@@ -1,4 +1,4 @@
-"""Serving (SPEC.md section 9): the official `openai` client against a server started here on a tiny
+"""Serving (docs/http-api.md): the official `openai` client against a server started here on a tiny
 run (completions, chat, streaming, n > 1, stop strings, seeds), greedy output against `nanoeuler-run
 generate --temperature 0` and `chat`, concurrent requests sharing the batch, the bounded queue,
 clients that disconnect, bad requests (a 4xx with a message, and the server keeps serving), and the
@@ -112,7 +112,7 @@ def test_models_and_health(server, client):
 
 
 def test_greedy_completion_equals_the_generate_command(alpaca_run, client):
-    """SPEC.md section 9: greedy output equals `nanoeuler-run generate --temperature 0`."""
+    """Greedy output equals `nanoeuler-run generate --temperature 0`."""
     for prompt in PROMPTS:
         result = CliRunner().invoke(cli_app, ["generate", str(alpaca_run), prompt, "--temperature", "0",
                                               "--max-new-tokens", "24"])

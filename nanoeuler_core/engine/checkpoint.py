@@ -1,4 +1,4 @@
-"""Run-directory files (SPEC.md section 4), written atomically: a crash never leaves a
+"""Run-directory files (docs/files.md), written atomically: a crash never leaves a
 half-written file where a good one was.
 
     config.json            model config (section 1 names at the top level) + "training" config

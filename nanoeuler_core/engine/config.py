@@ -1,4 +1,4 @@
-"""Model configuration: the fields of SPEC.md section 1, the presets, and the parameter layout.
+"""Model configuration: the fields docs/model.md describes, the presets, and the parameter layout.
 
 The presets, by size (parameter counts exact, `tests/test_model.py` asserts them; each is a
 multiple of 8, so that ZeRO-1 shards the parameters evenly over 2, 4 or 8 ranks):
@@ -84,7 +84,7 @@ class ModelConfig:
             raise ValueError("rope_theta and norm_eps must be positive")
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every parameter's name and shape (SPEC.md section 2), in model order."""
+        """Every parameter's name and shape (docs/model.md), in model order."""
         C, KVD, F, V = self.dim, self.n_kv_heads * self.head_dim, self.hidden_dim, self.vocab_size
         shapes = {"tok_emb": (V, C)}
         for i in range(self.n_layers):

@@ -1,5 +1,5 @@
 """The nanoeuler model, readable top to bottom: a decoder-only transformer whose blocks are two
-forward-Euler steps (SPEC.md section 1),
+forward-Euler steps (docs/model.md),
 
     x = x + attn(rmsnorm(x; attn_norm))
     x = x + swiglu(rmsnorm(x; ffn_norm))
@@ -36,7 +36,7 @@ activation checkpointing does. Peak activation memory drops to about one block's
 blocks' inputs, for one more forward of the blocks; the kernels are deterministic, so the
 gradients are the same, bit for bit. `forward_backward` is the one place that chooses.
 
-Precision (SPEC.md section 7, nanoeuler_core.registry.Precision): FP32; TF32 (float32 storage,
+Precision (docs/model.md, nanoeuler_core.registry.Precision): FP32; TF32 (float32 storage,
 TF32 matrix products); BF16 (mixed precision: the float32 buffer holds the master weights and
 receives float32 gradients, while the forward and backward read a bf16 copy of the weights,
 refreshed after each update, and keep activations and activation gradients in bf16; the ops
@@ -153,7 +153,7 @@ class Model:
     # parameters
 
     def _init_flat(self, seed: int) -> np.ndarray:
-        """SPEC.md initialisation: matrices ~ N(0, 0.02); wo and w_down scaled by 1/sqrt(2 n_layers); norms 1."""
+        """The initialisation of docs/model.md: matrices ~ N(0, 0.02); wo and w_down scaled by 1/sqrt(2 n_layers); norms 1."""
         rng = np.random.default_rng(seed)
         flat = np.empty(self.n_params, dtype=np.float64)
         out_std = 0.02 / np.sqrt(2 * self.cfg.n_layers)
@@ -168,7 +168,7 @@ class Model:
         return flat
 
     def _views(self, flat) -> dict:
-        """name -> view of `flat`, in SPEC.md section 2 order."""
+        """name -> view of `flat`, in the order of docs/model.md's parameter table."""
         views = {}
         for name in self.cfg.param_shapes():
             offset, shape = self.layout[name]
@@ -226,7 +226,7 @@ class Model:
         return self.backend.computing(self.precision)
 
     def load_params(self, params: dict) -> None:
-        """Copy `params` (name -> array with the shapes of SPEC.md section 2) into the model."""
+        """Copy `params` (name -> array with the shapes of docs/model.md) into the model."""
         expected = self.cfg.param_shapes()
         missing, unexpected = sorted(set(expected) - set(params)), sorted(set(params) - set(expected))
         if missing or unexpected:
@@ -502,7 +502,7 @@ class Model:
         return means
 
     def loss(self, inputs, targets) -> float:
-        """The training loss (SPEC.md section 1) without gradients: the mean of the heads' losses."""
+        """The training loss (docs/model.md) without gradients: the mean of the heads' losses."""
         means = self.head_losses(inputs, targets)
         return float(np.nanmean(means)) if not np.isnan(means).all() else 0.0
 
@@ -529,7 +529,7 @@ class Model:
     # files
 
     def save(self, run_dir, training: dict | None = None) -> None:
-        """Write config.json and model.safetensors (SPEC.md section 4) into `run_dir`, atomically."""
+        """Write config.json and model.safetensors (docs/files.md) into `run_dir`, atomically."""
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         save_tensors(run_dir / "model.safetensors", self.params)

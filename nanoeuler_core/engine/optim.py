@@ -1,4 +1,4 @@
-"""AdamW over the model's flat parameter buffer, and the learning-rate schedule (SPEC.md section 3).
+"""AdamW over the model's flat parameter buffer, and the learning-rate schedule (docs/training.md).
 
 One call of the registered `adamw` op computes the global gradient norm, clips, and updates every
 parameter; weight decay covers the matrices, which the model lays out first ([0, n_decay)).

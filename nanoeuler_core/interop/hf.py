@@ -1,4 +1,4 @@
-"""Hugging Face interoperability (SPEC.md section 8): a run directory as a `transformers` Llama
+"""Hugging Face interoperability (docs/files.md): a run directory as a `transformers` Llama
 directory, and a local Llama checkpoint directory as a run directory.
 
 A nanoeuler model is a Llama model plus K - 1 extra multi-token-prediction heads:
@@ -68,7 +68,7 @@ _LAYER_NAME_OF = {hf: ours for ours, hf in _LAYER_NAMES.items()}
 
 
 def hf_name(name: str) -> str | None:
-    """The transformers name of parameter `name` (SPEC.md section 2); None for heads 1..K-1."""
+    """The transformers name of parameter `name` (docs/model.md); None for heads 1..K-1."""
     if name == "tok_emb":
         return "model.embed_tokens.weight"
     if name == "norm":

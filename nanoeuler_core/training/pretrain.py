@@ -1,4 +1,4 @@
-"""Pretraining: the loop, validation, checkpoints and exact resume (SPEC.md sections 3 and 4).
+"""Pretraining: the loop, validation, checkpoints and exact resume (docs/training.md and docs/files.md).
 
 A run directory holds config.json (model + training config), tokenizer.json, model.safetensors,
 optimizer.safetensors and metrics.jsonl. Checkpoints are committed as one unit
@@ -48,7 +48,7 @@ class TrainConfig:
     tokenizer: str | None = None        # default: trained on the corpus with the preset's vocab_size
     steps: int = 4000                   # about 4 minutes of the `small` preset on 2 CPU cores
     batch_size: int = 8
-    lr: float | None = None             # default: 1e-3 for `small`, 3e-4 otherwise (SPEC.md section 3)
+    lr: float | None = None             # default: 1e-3 for `small`, 3e-4 otherwise (docs/training.md)
     warmup: int | None = None           # default: 5% of decay_steps
     decay_steps: int | None = None      # cosine horizon; default: steps
     final_lr_ratio: float = 0.1
@@ -62,7 +62,7 @@ class TrainConfig:
     eval_batches: int = 8
     ckpt_every: int = 500
     val_fraction: float = 0.1
-    precision: str | None = None        # fp32, tf32 or bf16 (SPEC.md section 7); default: the backend's
+    precision: str | None = None        # fp32, tf32 or bf16 (docs/model.md); default: the backend's
                                         # (bf16 on a CUDA GPU with tensor cores, fp32 on the CPU)
     eager: bool = False                 # launch every kernel from Python instead of replaying a captured step
     recompute: bool = False             # activation recomputation: the backward runs each block's forward again

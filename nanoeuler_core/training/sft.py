@@ -7,7 +7,7 @@ Alpaca template. A Jinja template gets the instruction as a user message (the in
 line); the response is the output followed by the template's end-of-turn token (`</s>` for Alpaca,
 `<|im_end|>` for ChatML). The model is trained on the whole
 sequence but the loss counts the response tokens only: every target that predicts a prompt
-token, and every padding target, is -1 (SPEC.md section 1). An example longer than the context
+token, and every padding target, is -1 (docs/model.md). An example longer than the context
 loses tokens from the start of its prompt (the response is kept whole where it fits).
 
     prompt ids                       response ids + </s>
