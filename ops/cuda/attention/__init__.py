@@ -1,5 +1,5 @@
 """FlashAttention forward and backward on the GPU (FlashAttention-2 blocking). See ops/attention.py
-for the math, and docs/cuda.md.
+for the math, teaching.py for the algorithm in one plain kernel, and docs/cuda.md.
 
 Three families of kernels compute it, a file each, each a forward kernel and two backward kernels
 (dq, then dk/dv) launched the same way (Family.launch):
