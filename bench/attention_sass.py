@@ -19,6 +19,7 @@ from pathlib import Path
 from numba.cuda import compile_ptx
 
 from nanoeuler_ops.cuda import attention
+from nanoeuler_ops.cuda.attention import mma
 
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)")
 LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -27,7 +28,7 @@ LABEL = re.compile(r"^(\.L_x_\d+):")
 def sass(name: str, kernel, folder: Path) -> tuple[str, str]:
     """(ptxas's report, the disassembly) of one kernel compiled as the backend compiles it."""
     options = kernel.targetoptions
-    ptx, _ = compile_ptx(kernel.py_func, attention.mma_signatures()[name], cc=(9, 0, "a"), fastmath=options.get("fastmath", False))
+    ptx, _ = compile_ptx(kernel.py_func, mma.mma_signatures()[name], cc=(9, 0, "a"), fastmath=options.get("fastmath", False))
     (folder / f"{name}.ptx").write_text(ptx)
     cap = ["-maxrregcount", str(options["max_registers"])] if "max_registers" in options else []
     report = subprocess.run(["ptxas", "-arch=sm_90a", "-O3", "-v", *cap, f"{name}.ptx", "-o", f"{name}.cubin"],
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--keep", type=Path, help="keep the PTX, cubin and SASS files in this folder")
     args = parser.parse_args()
-    kernels = attention.mma_kernels(args.head_size, hopper=True)
+    kernels = attention.tensor_core_kernels(args.head_size, hopper=True)
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.keep or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)

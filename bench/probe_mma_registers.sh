@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# How the register cap of each tensor-core attention kernel (MMA_MAX_REGISTERS in ops/cuda/attention.py)
+# How the register cap of each tensor-core attention kernel (MMA_MAX_REGISTERS in ops/cuda/attention/mma.py)
 # changes its time: for each cap, the kernels' durations and occupancy under ncu, and the attention
 # timings against SDPA. Then the fastest cap of each kernel is written back and the training step timed.
-# Edits ops/cuda/attention.py in place: run it on a copy of the tree (the GPU machine's).
+# Edits ops/cuda/attention/mma.py in place: run it on a copy of the tree (the GPU machine's).
 #   bash bench/probe_mma_registers.sh LOG_DIR ["None, None, None" "128, 128, 128" ...]
 set -uo pipefail
 log_dir=$1; shift
@@ -11,7 +11,7 @@ mkdir -p "$log_dir"
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
 set_caps() {
-    sed -i "s/^MMA_MAX_REGISTERS = .*/MMA_MAX_REGISTERS = ($1)/" ops/cuda/attention.py
+    sed -i "s/^MMA_MAX_REGISTERS = .*/MMA_MAX_REGISTERS = ($1)/" ops/cuda/attention/mma.py
     python3 -m pip install -q --no-deps --no-build-isolation --force-reinstall --no-index . > /dev/null 2>&1
 }
 for cap in "${caps[@]}"; do

@@ -186,8 +186,9 @@ def test_warpgroup_attention_forward_matches_the_reference():
     the same bf16 inputs: two query tiles, the last partly filled, GQA, keys after a cache (S > T)."""
     from nanoeuler_ops import attention as reference
     from nanoeuler_ops.cuda import attention
+    from nanoeuler_ops.cuda.attention import wgmma
 
-    assert attention.warpgroup_forward(64)
+    assert wgmma.wgmma_supported(64)
     rng = np.random.default_rng(4)
     q, k, v = (bf16_values(bf16_bits(x)) for x in (rng.standard_normal((1, 67, 2, 64)), rng.standard_normal((1, 70, 1, 64)),
                                                     rng.standard_normal((1, 70, 1, 64))))
@@ -211,8 +212,8 @@ words, words2, floats2 = types.Array(types.uint32, 1, "C"), types.Array(types.ui
 kernels = {"one_tile": (t._one_tile, (words2, words2, floats2, floats2)),
            "tile_through_shared": (t._tile_through_shared, (words2, words, types.int64, types.boolean, floats2))}
 for head_size in (48, 64):   # a row of 6 copy chunks (no whole number of rows per pass), and 8
-    family = attention.mma_kernels(head_size, hopper=True)   # head size 64: the warpgroup forward
-    for name, argtypes in attention.mma_signatures().items():
+    family = attention.tensor_core_kernels(head_size, hopper=True)   # head size 64: the warpgroup forward
+    for name, argtypes in attention.mma.mma_signatures().items():
         kernels[f"attention {name} D{head_size}"] = (getattr(family, name).function, argtypes)
 kernels["warpgroup tiles"] = (t._warpgroup_tiles, (words2,) * 3 + (floats2,) * 2)
 for name, (kernel, argtypes) in kernels.items():
