@@ -35,10 +35,11 @@ import numpy as np
 from numba import cuda, float32, int32, int64, types, uint32, uint64
 
 from nanoeuler_ops.attention import check_shapes
-from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import bf16x2_values, mma_bf16, pack_bf16x2, quad_max, quad_sum, stored, to_f32
+from nanoeuler_ops.cuda import device, runtime
+from nanoeuler_ops.cuda.device import (bf16x2_values, lanes_reduce, mma_bf16, pack_bf16x2, quad_max, quad_sum, stored,
+                                       to_f32)
 
-SHARED_ALIGN = None if runtime.SIMULATOR else 16   # 16-byte aligned shared memory (the simulator takes no alignment)
+SHARED_ALIGN = 16   # 16-byte aligned shared memory
 LOG2E = math.log2(math.e)
 MASKED = -1e30   # the score of a key in a row's causal future: exp() of it is 0, and unlike -inf it stays
                  # well defined under fastmath
@@ -135,8 +136,8 @@ def _zero(acc):
 TILE, TILE_NY, TILE_NX = 64, 16, 16
 THREADS = TILE_NY * TILE_NX
 # At most 128 registers a thread, so that two blocks share a multiprocessor (65536 registers): the
-# extra warps hide more latency than the few spilled registers cost (the simulator takes no limit)
-JIT_OPTIONS = {} if runtime.SIMULATOR else {"max_registers": 128}
+# extra warps hide more latency than the few spilled registers cost
+JIT_OPTIONS = {"max_registers": 128}
 QUAD = 4
 
 
@@ -187,22 +188,11 @@ def _cols_padded(D: int) -> int:
     return -(-D // TILE) * TILE
 
 
-if runtime.SIMULATOR:
-    def _row_reduce(values, take_max):
-        # values[i] <- its max (or sum) over the TILE_NX threads of register-tile row i (every
-        # thread of the block must call this)
-        values[:] = runtime.simulated_reduce(values, TILE_NX, take_max)
-else:
-    @cuda.jit(device=True, inline=True)
-    def _row_reduce(values, take_max):
-        # values[i] <- its max (or sum) over the TILE_NX threads of register-tile row i: neighbouring
-        # lanes of one warp, so xor shuffles below TILE_NX stay among them; the rows' shuffles interleave
-        offset = TILE_NX // 2
-        while offset > 0:
-            for i in range(values.shape[0]):
-                other = cuda.shfl_xor_sync(runtime.FULL_MASK, values[i], offset)
-                values[i] = max(values[i], other) if take_max else values[i] + other
-            offset //= 2
+@cuda.jit(device=True, inline=True)
+def _row_reduce(values, take_max):
+    # values[i] <- its max (or sum) over the TILE_NX threads of register-tile row i: neighbouring
+    # lanes of one warp (every thread of the block must call this)
+    lanes_reduce(values, TILE_NX, take_max)
 
 
 @cache
@@ -531,7 +521,7 @@ SIMT_FAMILY = Family(simt_kernels, TILE, THREADS, tensor=lambda x: x, takes_size
 
 # ================================================================ tensor-core FlashAttention-2 (bf16, mma.sync)
 #
-# bf16 on the tensor cores with mma.sync m16n8k16 (see runtime's fragment layout). A block is 4
+# bf16 on the tensor cores with mma.sync m16n8k16 (see ptx.py's fragment layout). A block is 4
 # warps; each warp owns 16 rows of a 64-row tile (query rows in the forward and dq kernels, keys in
 # the dk/dv kernel) and streams 64-row tiles of the other side through shared memory.
 # The row side's operands (q and do, or k and v) stay in registers as A fragments for the whole
@@ -548,7 +538,7 @@ SIMT_FAMILY = Family(simt_kernels, TILE, THREADS, tensor=lambda x: x, takes_size
 
 MMA_ROWS = 64                      # rows of a block's tile and of a streamed tile
 MMA_WARPS = MMA_ROWS // 16
-MMA_THREADS = MMA_WARPS * runtime.WARP
+MMA_THREADS = MMA_WARPS * device.WARP
 MMA_PAD = 4                        # words of padding per shared row
 # The most registers a thread of the forward, dq and dk/dv kernels may take (None: no cap). A cap
 # lets more blocks share a multiprocessor, at the price of spills or fewer loads in flight: on an
@@ -558,13 +548,13 @@ MMA_MAX_REGISTERS = (128, None, None)
 
 
 def _mma_options(max_registers) -> dict:
-    return {"fastmath": True} if runtime.SIMULATOR or max_registers is None else \
+    return {"fastmath": True} if max_registers is None else \
         {"fastmath": True, "max_registers": max_registers}
 
 
 def mma_supported(q) -> bool:
     """Whether the tensor-core kernels serve these inputs: bf16 storage, head size a multiple of 16."""
-    return q.dtype == runtime.BF16 and q.shape[3] % 16 == 0
+    return q.dtype == device.BF16 and q.shape[3] % 16 == 0
 
 
 @cache
@@ -638,9 +628,9 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
                 valid = i32(n * COPY_ROWS) < rows_left
                 j = tile + u64(n * COPY_ROWS) * stride if valid else start   # an address in bounds either way
                 at = base + plan_at + u32(n * COPY_ROWS * row_words)
-                runtime.cp_async_16(sh, sb, at, x, j, valid)
+                device.cp_async_16(sh, sb, at, x, j, valid)
                 if pair:
-                    runtime.cp_async_16(sh, sb, at + u32(tile_words), y, j, valid)
+                    device.cp_async_16(sh, sb, at + u32(tile_words), y, j, valid)
 
     @cuda.jit(device=True, inline=True)
     def load_fragments(frag, src, b, r0, n_rows, head, heads, g, t):
@@ -663,7 +653,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         # lanes 0..15 address rows 0..15 at word 8 kc, lanes 16..31 the same rows 4 words on
         lane_base = base + u32((16 * warp + lane % 16) * WS + 4 * (lane // 16))
         for kc in range(KD):
-            a = runtime.ldmatrix_x4(sh, sb, lane_base + u32(8 * kc))
+            a = device.ldmatrix_x4(sh, sb, lane_base + u32(8 * kc))
             frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3] = a[0], a[1], a[2], a[3]
 
     @cuda.jit(device=True, inline=True)
@@ -692,7 +682,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         lane_base = base + u32((lane % 8 + 8 * (lane // 16)) * WS + 4 * (lane // 8 % 2))
         for n in range(0, NR, 2):
             for kc in range(KD):
-                b = runtime.ldmatrix_x4(sh, sb, lane_base + u32(8 * n * WS + 8 * kc))
+                b = device.ldmatrix_x4(sh, sb, lane_base + u32(8 * n * WS + 8 * kc))
                 mma(acc, n, frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3], b[0], b[1])
                 mma(acc, n + 1, frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3], b[2], b[3])
 
@@ -712,7 +702,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         for kc in range(KR):
             a0, a1, a2, a3 = row_fragment(scores, kc)
             for dn in range(0, ND, 2):
-                b = runtime.ldmatrix_x4_trans(sh, sb, lane_base + u32(16 * kc * WS + 4 * dn))
+                b = device.ldmatrix_x4_trans(sh, sb, lane_base + u32(16 * kc * WS + 4 * dn))
                 mma(acc, dn, a0, a1, a2, a3, b[0], b[1])
                 mma(acc, dn + 1, a0, a1, a2, a3, b[2], b[3])
 
@@ -783,7 +773,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step
         b, h, kv, tid, warp, lane, g, t, t0, r0 = query_block(H, KV)
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
-        sb = runtime.shared_base(sh)
+        sb = device.shared_base(sh)
         q_frag = cuda.local.array((KD, 4), uint32)
         scores = cuda.local.array((NR, 4), float32)
         acc = cuda.local.array((ND, 4), float32)
@@ -793,7 +783,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         # the block's query rows pass through the second stage, free until the loop's first prefetch
         q_start, q_stride = rows_of(b, T, h, H)
         fetch_tiles(sh, sb, u32(FWD_STAGE), q, q, q_start, q_stride, copy_plan(q_stride, tid), t0, T, False)
-        runtime.cp_async_wait_all()
+        device.cp_async_wait_all()
         cuda.syncthreads()
         shared_fragments(q_frag, sh, sb, u32(FWD_STAGE), warp, lane)
         _zero(acc)
@@ -805,7 +795,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         keys_end = min(S, diagonal + MMA_ROWS)
         for s0 in range(0, keys_end, MMA_ROWS):
             stage = u32(u32(s0) // u32(MMA_ROWS) % u32(2) * u32(FWD_STAGE))
-            runtime.cp_async_wait_all()
+            device.cp_async_wait_all()
             cuda.syncthreads()   # this stage has landed; every warp is done reading the other one
             if s0 + MMA_ROWS < keys_end:
                 fetch_tiles(sh, sb, u32(FWD_STAGE) - stage, k, v, kv_start, kv_stride, plan, s0 + MMA_ROWS, S)
@@ -818,7 +808,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         finish_rows(o, lse, acc, top_a, top_b, sum_a, sum_b, scale, b, h, r0, T, H, g, t)
 
 
-    # ---- the forward on Hopper's warpgroup products (head size 64; runtime's wgmma_*): the same
+    # ---- the forward on Hopper's warpgroup products (head size 64; device.wgmma_*): the same
     # blocking and online softmax, Q K^T with both operands in shared memory, P V with P in registers.
     # Tiles are stored unpadded in the 128-byte swizzle (a row is 128 bytes), from a 1024-byte
     # aligned word of the buffer: the query tile, then two stages of k and v.
@@ -838,7 +828,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         # as mma_forward_kernel: grid (B * H, T / 64), 128 threads (one warpgroup), 16 query rows a warp
         b, h, kv, tid, warp, lane, g, t, t0, r0 = query_block(H, KV)
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
-        sb = runtime.shared_base(sh)
+        sb = device.shared_base(sh)
         q_at = ((u32(1024) - (sb & u32(1023))) & u32(1023)) >> u32(2)
         kv_at = q_at + u32(WG_TILE)
         scores = cuda.local.array((NR, 4), float32)
@@ -849,7 +839,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         fetch_tiles(sh, sb, kv_at, k, v, kv_start, kv_stride, plan, 0, S, True, W, WG_TILE)
         q_start, q_stride = rows_of(b, T, h, H)
         fetch_tiles(sh, sb, q_at, q, q, q_start, q_stride, swizzled_plan(q_stride, tid), t0, T, False, W, WG_TILE)
-        q_desc = runtime.smem_descriptor(sb + u32(4) * q_at, u32(WG_GROUP))
+        q_desc = device.smem_descriptor(sb + u32(4) * q_at, u32(WG_GROUP))
         _zero(acc)
         scale2 = scale * f32(LOG2E)
         top_a, top_b = f32(MASKED), f32(MASKED)
@@ -859,30 +849,30 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         keys_end = min(S, diagonal + MMA_ROWS)
         for s0 in range(0, keys_end, MMA_ROWS):
             stage = u32(u32(s0) // u32(MMA_ROWS) % u32(2) * u32(2 * WG_TILE))
-            runtime.cp_async_wait_all()
-            runtime.proxy_fence()   # the copies' writes, visible to the tensor cores
+            device.cp_async_wait_all()
+            device.proxy_fence()   # the copies' writes, visible to the tensor cores
             cuda.syncthreads()      # this stage has landed; every warp's products of the other are done
             if s0 + MMA_ROWS < keys_end:
                 fetch_tiles(sh, sb, kv_at + u32(2 * WG_TILE) - stage, k, v, kv_start, kv_stride, plan, s0 + MMA_ROWS,
                             S, True, W, WG_TILE)
-            k_desc = runtime.smem_descriptor(sb + u32(4) * (kv_at + stage), u32(WG_GROUP))
-            v_desc = runtime.smem_descriptor(sb + u32(4) * (kv_at + stage + u32(WG_TILE)), u32(WG_GROUP))
-            runtime.wgmma_fence(scores, scores)
+            k_desc = device.smem_descriptor(sb + u32(4) * (kv_at + stage), u32(WG_GROUP))
+            v_desc = device.smem_descriptor(sb + u32(4) * (kv_at + stage + u32(WG_TILE)), u32(WG_GROUP))
+            device.wgmma_fence(scores, scores)
             for kc in range(KD):   # k-step kc: 32 bytes along the rows of q and k
-                runtime.wgmma_ss(scores, sh, q_desc + u64(2 * kc), k_desc + u64(2 * kc), kc > 0)
-            runtime.wgmma_commit()
-            runtime.wgmma_wait(scores)
+                device.wgmma_ss(scores, sh, q_desc + u64(2 * kc), k_desc + u64(2 * kc), kc > 0)
+            device.wgmma_commit()
+            device.wgmma_wait(scores)
             if s0 + MMA_ROWS - 1 > diagonal:
                 mask_outside(scores, i32(-1), i32(last_a - s0 - 2 * t), i32(-1), i32(last_b - s0 - 2 * t))
             top_a, top_b, sum_a, sum_b = online_softmax(scores, acc, top_a, top_b, sum_a, sum_b, scale2)
             for kc in range(KR):
                 probs[kc, 0], probs[kc, 1], probs[kc, 2], probs[kc, 3] = row_fragment(scores, kc)
-            runtime.wgmma_fence(acc, probs)
+            device.wgmma_fence(acc, probs)
             for kc in range(KR):   # k-step kc: 16 rows of v, two groups of 8
-                runtime.wgmma_rs_t(acc, probs[kc, 0], probs[kc, 1], probs[kc, 2], probs[kc, 3], sh,
+                device.wgmma_rs_t(acc, probs[kc, 0], probs[kc, 1], probs[kc, 2], probs[kc, 3], sh,
                                    v_desc + u64(2 * WG_GROUP // 16 * kc), True)
-            runtime.wgmma_commit()
-            runtime.wgmma_wait(acc)
+            device.wgmma_commit()
+            device.wgmma_wait(acc)
         finish_rows(o, lse, acc, top_a, top_b, sum_a, sum_b, scale, b, h, r0, T, H, g, t)
 
     # dq stage: k, v
@@ -895,7 +885,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         # Di = rowsum(do * o), the FlashAttention-2 backward's correction, is written for the dk/dv kernel.
         b, h, kv, tid, warp, lane, g, t, t0, r0 = query_block(H, KV)
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
-        sb = runtime.shared_base(sh)
+        sb = device.shared_base(sh)
         q_frag = cuda.local.array((KD, 4), uint32)
         do_frag = cuda.local.array((KD, 4), uint32)
         scores = cuda.local.array((NR, 4), float32)
@@ -932,7 +922,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         keys_end = min(S, diagonal + MMA_ROWS)
         for s0 in range(0, keys_end, MMA_ROWS):
             stage = u32(u32(s0) // u32(MMA_ROWS) % u32(2) * u32(DQ_STAGE))
-            runtime.cp_async_wait_all()
+            device.cp_async_wait_all()
             cuda.syncthreads()
             if s0 + MMA_ROWS < keys_end:
                 fetch_tiles(sh, sb, u32(DQ_STAGE) - stage, k, v, kv_start, kv_stride, plan, s0 + MMA_ROWS, S)
@@ -967,7 +957,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         s0 = cuda.blockIdx.y * MMA_ROWS   # the first keys, seen by the most query rows, start first
         k0 = s0 + 16 * warp
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
-        sb = runtime.shared_base(sh)
+        sb = device.shared_base(sh)
         row_stats = cuda.shared.array((2, 2, MMA_ROWS), float32)   # per stage: lse log2 e and Di of the query rows
         k_frag = cuda.local.array((KD, 4), uint32)
         v_frag = cuda.local.array((KD, 4), uint32)
@@ -995,7 +985,7 @@ def mma_kernels(D: int, hopper: bool | None = None) -> FlashKernels:
         for step in range(group * tiles):
             parity = u32(step) % u32(2)
             stage = u32(parity * KV_STAGE)
-            runtime.cp_async_wait_all()
+            device.cp_async_wait_all()
             cuda.syncthreads()
             t_next, h_next = t0 + MMA_ROWS, head
             if t_next >= T:
