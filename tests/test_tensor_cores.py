@@ -199,11 +199,16 @@ def test_warpgroup_attention_forward_matches_the_reference():
 
 HOPPER_COMPILE = """
 import sys
+from types import SimpleNamespace
 from numba import types
 from numba.cuda import compile_ptx
 from numba.cuda.cudadrv import nvvm
 if not nvvm.is_available():
     sys.exit(77)
+# Numba types an overload's implementation (to_f32, load_8_floats, ...) by compiling it for the
+# current GPU's compute capability: here there is none, so it is a Hopper's
+import numba.cuda.dispatcher
+numba.cuda.dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))
 sys.path.insert(0, "tests")
 import test_tensor_cores as t
 from nanoeuler_ops.cuda import attention, device
