@@ -37,16 +37,20 @@ def tok():
     return Tokenizer.train("".join(render_prompt(e["instruction"]) + e["output"] + "\n" for e in examples), 300)
 
 
-# The slowest cases (simulated GPU kernels, 30 s to 2.5 min each, slowest first), which pytest-xdist
-# would otherwise reach late and finish alone. Its work-stealing scheduler hands each of the two
-# workers half of the list, in order: the slow cases go to the heads of both halves, alternately.
-SLOW_FIRST = ("test_ops.py::test_op_gradcheck[attention-fp32]", "test_ops.py::test_op_gradcheck[attention-bf16]",
+# The slowest cases (simulated GPU kernels and the compile-ahead check, 20 s to 3 min each), which
+# pytest-xdist would otherwise reach late and finish alone. Its work-stealing scheduler hands each of
+# the two workers half of the list, in order: the slow cases go to the heads of both halves,
+# alternately, listed so that the two shares take about as long.
+SLOW_FIRST = ("test_ops.py::test_op_gradcheck[attention-fp32]",
               "test_model.py::test_backend_gradients_match_reference[cuda]",
-              "test_generate.py::test_captured_step_equals_the_cpu_in_fp32_and_bf16",
               "test_model.py::test_recompute_gives_the_same_gradients_bit_for_bit_on_cuda",
-              "test_precision.py::test_bf16_model_gradients_within_bound_of_float32",
+              "test_tensor_cores.py::test_tensor_core_kernels_compile_for_hopper",
               "test_precision.py::test_bf16_updates_float32_master_weights_and_saves_float32",
-              "test_ops.py::test_op_gradcheck[classifier-fp32]")
+              "test_ops.py::test_op_gradcheck[attention-bf16]",
+              "test_ops.py::test_op_gradcheck[sample-fp32]",
+              "test_precision.py::test_bf16_model_gradients_within_bound_of_float32",
+              "test_ops.py::test_op_gradcheck[decode_attention-fp32]",
+              "test_generate.py::test_captured_step_equals_the_cpu_in_fp32_and_bf16")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,11 +8,11 @@ accumulated in float32; y has r's storage."""
 from numba import cuda, float32, uint32
 
 from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, to_f32, wait_for_previous, warp_sum
 from nanoeuler_ops.cuda.row_products import (BLOCK, CHUNK, GROUP, ROWS, STEP, THREADS, TILE, WARP, WARPS,
                                              chunk, column, dot, in_chunks, load_trip, load_words, mma_block, mma_lane,
                                              no_chunk, no_sums, prefetch_row, row_chunk, row_group, share_sums,
                                              tile_entry, tile_rows, trip_feature, warps_total)
-from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, to_f32, wait_for_previous, warp_sum
 from nanoeuler_ops.linear_residual import check_shapes
 
 TRIP = 8   # chunks of each operand a lane asks for at once (row_products)

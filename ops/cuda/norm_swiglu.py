@@ -13,10 +13,10 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.cuda.row_products import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
                                              launch_norm_tiles, load_trip, no_chunk, prefetch_row, product, row_group,
                                              swiglu)
-from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.norm_swiglu import check_shapes
 
 TRIP = 3   # chunks of each operand a lane asks for at once (row_products)

@@ -517,8 +517,8 @@ def _run_blocks_on_pooled_threads() -> None:
     the loop competes with the threads for the GIL. Here (numba-cuda 0.30.4's BlockManager.run and
     BlockThread.syncthreads replaced: the version pyproject.toml pins) a pool of threads, one per
     thread position of a block shape, runs block after block, and a block's threads meet at a
-    barrier (the last to arrive releases the others), a warp's lanes at their own (`_Meeting`):
-    nothing is started per block and nothing polls."""
+    barrier, a warp's lanes at their own (`_Meeting`): nothing is started per block and nothing
+    polls."""
     from numba.cuda.simulator import kernel
 
     class PooledThread(kernel.BlockThread):
