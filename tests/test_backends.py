@@ -163,13 +163,15 @@ def test_cpu_steps_reuse_their_memory_instead_of_faulting_in_fresh_pages():
 
 @pytest.mark.skipif(not numba.config.ENABLE_CUDASIM, reason="the CUDA simulator's thread blocks")
 def test_simulated_blocks_meet_at_barriers_and_report_the_failing_thread():
-    """The simulator as tests/conftest.py runs it: threads that return early leave the block's
-    barriers, a failing thread's error names it (and does not hang the others), and the block's
-    threads serve later launches."""
+    """The simulator as the CUDA backend runs it (ops/cuda/simulator.py): threads that return early
+    leave the block's barriers, a failing thread's error names it (and does not hang the others),
+    the block's threads serve later launches, and a shared array takes the GPU's alignment."""
+    from nanoeuler_ops.cuda import device  # noqa: F401  (the simulator, set up as the backend runs it)
+
     @cuda.jit
     def reverse(a, fail):
         t = cuda.threadIdx.x
-        staged = cuda.shared.array(64, np.float32)
+        staged = cuda.shared.array(64, np.float32, alignment=16)
         if t >= 40:
             return
         staged[t] = t
@@ -189,18 +191,43 @@ def test_simulated_blocks_meet_at_barriers_and_report_the_failing_thread():
     assert a[0, 1] == 38
 
 
+def test_simulator_twins_the_gpu_name_for_name():
+    """ops/cuda/simulator.py stands in for ops/cuda/gpu.py's DEVICE and ops/cuda/ptx.py's
+    instructions: the same names, and a device object with the same methods (read from the source,
+    so that neither module needs importing where it cannot run)."""
+    import ast
+    import pathlib
+
+    cuda_dir = pathlib.Path(__file__).parent.parent / "ops" / "cuda"
+
+    def module(name):
+        return ast.parse((cuda_dir / f"{name}.py").read_text())
+
+    def exported(tree):
+        return next(set(ast.literal_eval(node.value)) for node in tree.body
+                    if isinstance(node, ast.Assign) and node.targets[0].id == "__all__")
+
+    def methods(tree, cls):
+        body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls).body
+        return {node.name for node in body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")}
+
+    simulator = module("simulator")
+    assert exported(simulator) == exported(module("ptx")) | {"DEVICE"}
+    assert methods(simulator, "Simulator") == methods(module("gpu"), "Gpu")
+
+
 @pytest.mark.skipif(not numba.config.ENABLE_CUDASIM and not cuda.is_available(), reason="needs the CUDA backend")
 def test_device_copies_convert_between_storages_over_many_blocks():
     """The CUDA backend's device-to-device copy (its kernels): float32 to bf16 rounds to nearest even,
     as the host's conversion does, bf16 to float32 is exact, one storage to the same copies the bits;
     every element of arrays of one to several blocks, the last one part-filled."""
-    from nanoeuler_ops.cuda import runtime
+    from nanoeuler_ops.cuda import device, runtime
 
     rng = np.random.default_rng(0)
     for n in (1, 1000, 3001):
         values = rng.standard_normal(n).astype(np.float32)
         bits = registry.bf16_bits(values)
-        wide, narrow = cuda.to_device(values), cuda.to_device(np.zeros(n, runtime.BF16))
+        wide, narrow = cuda.to_device(values), cuda.to_device(np.zeros(n, device.BF16))
         again, copied = cuda.to_device(np.zeros(n, np.float32)), cuda.to_device(np.zeros(n, np.float32))
         runtime.copy(narrow, wide)
         runtime.copy(again, narrow)

@@ -1,10 +1,10 @@
 """Residual linear update for decoding on the CPU. See nanoeuler_ops/linear_residual.py for the
-math and nanoeuler_ops.cpu.decoding.py for how rows stay independent of the batch."""
+math and ops/cpu/row_products.py for how rows stay independent of the batch."""
 
 import numpy as np
 from numba import njit
 
-from nanoeuler_ops.cpu.decoding import matmul_rows
+from nanoeuler_ops.cpu.row_products import matmul_rows
 from nanoeuler_ops.linear_residual import check_shapes
 
 

@@ -1,10 +1,10 @@
 """RMSNorm + linear for decoding on the CPU. See nanoeuler_ops/norm_linear.py for the math and
-nanoeuler_ops.cpu.decoding.py for how rows stay independent of the batch."""
+ops/cpu/row_products.py for how rows stay independent of the batch."""
 
 import numpy as np
 from numba import njit
 
-from nanoeuler_ops.cpu.decoding import matmul_rows, rmsnorm_rows
+from nanoeuler_ops.cpu.row_products import matmul_rows, rmsnorm_rows
 from nanoeuler_ops.norm_linear import check_shapes
 
 

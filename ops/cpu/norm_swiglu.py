@@ -1,10 +1,10 @@
 """RMSNorm + gate/up projections + SwiGLU for decoding on the CPU. See nanoeuler_ops/norm_swiglu.py
-for the math and nanoeuler_ops.cpu.decoding.py for how rows stay independent of the batch."""
+for the math and ops/cpu/row_products.py for how rows stay independent of the batch."""
 
 import numpy as np
 from numba import njit, prange
 
-from nanoeuler_ops.cpu.decoding import matmul_rows, rmsnorm_rows
+from nanoeuler_ops.cpu.row_products import matmul_rows, rmsnorm_rows
 from nanoeuler_ops.cpu.common import exp32
 from nanoeuler_ops.norm_swiglu import check_shapes
 

@@ -3,11 +3,10 @@ kernels (one module per op, named as in `cpu/`), matrix products through cuBLAS.
 
 Importing this package stays cheap (the registry imports it on every start): numba.cuda is
 imported only when a backend method runs or an op's kernels are first used, and nothing here
-initialises the CUDA driver before `claim_device` has chosen this process's GPU. With
-NUMBA_ENABLE_CUDASIM=1 the same kernels run, slowly, on Numba's CUDA simulator.
+initialises the CUDA driver before `claim_device` has chosen this process's GPU. Whatever depends
+on the device (a GPU, or Numba's CUDA simulator: docs/cuda.md) the backend asks `device.DEVICE`.
 """
 
-import os
 from contextlib import contextmanager
 
 import numpy as np
@@ -16,7 +15,6 @@ from nanoeuler_core import registry
 from nanoeuler_core.registry import Backend, Precision
 
 TENSOR_CORE_CAPABILITY = (8, 0)   # bf16 and TF32 tensor cores (Ampere and newer)
-NVIDIA_GPUS = "/proc/driver/nvidia/gpus"   # one folder per GPU the driver has, readable without CUDA
 
 
 class CudaBackend(Backend):
@@ -45,8 +43,8 @@ class CudaBackend(Backend):
 
     @property
     def precisions(self) -> tuple[Precision, ...]:
-        from nanoeuler_ops.cuda import runtime
-        if runtime.SIMULATOR or runtime.compute_capability() >= TENSOR_CORE_CAPABILITY:
+        from nanoeuler_ops.cuda.device import DEVICE
+        if DEVICE.compute_capability() >= TENSOR_CORE_CAPABILITY:
             return (registry.FP32, registry.TF32, registry.BF16)
         return (registry.FP32,)
 
@@ -55,11 +53,11 @@ class CudaBackend(Backend):
         return registry.BF16 if registry.BF16 in self.precisions else registry.FP32
 
     def check_precision(self, name) -> Precision:
-        from nanoeuler_ops.cuda import runtime
+        from nanoeuler_ops.cuda.device import DEVICE
 
         p = registry.precision(name)
         if p is not registry.FP32 and p not in self.precisions:
-            major, minor = runtime.compute_capability()
+            major, minor = DEVICE.compute_capability()
             raise ValueError(f"--precision {p.name} needs tensor cores of compute capability 8.0 or newer; "
                              f"this GPU is {major}.{minor}: use --precision fp32")
         return super().check_precision(p)
@@ -77,38 +75,32 @@ class CudaBackend(Backend):
     def asarray(self, host, storage=None):
         from numba import cuda
 
-        from nanoeuler_ops.cuda import runtime
         host = np.asarray(host)
         if storage == "bf16" and host.dtype.kind == "f":
-            return cuda.to_device(runtime.bf16_bits(host))
+            return cuda.to_device(registry.bf16_bits(host))
         dtype = {"f": self.dtype, "i": np.int64, "u": np.int64}.get(host.dtype.kind, host.dtype)
         return cuda.to_device(np.ascontiguousarray(host, dtype=dtype))
 
     def to_host(self, arr):
-        from nanoeuler_ops.cuda import runtime
-        host = runtime.to_host(arr)
-        return runtime.bf16_values(host) if host.dtype == runtime.BF16 else host
+        from nanoeuler_ops.cuda.device import DEVICE
+        return _values(DEVICE.to_host(arr))
 
     def read_back(self, arrays):
-        """Copies queued behind the work so far (see `runtime.read_back`); under the simulator, or for
-        an array one driver call cannot copy (not C-contiguous, or empty), copied now."""
-        from nanoeuler_ops.cuda import runtime
-        if runtime.SIMULATOR or not all(arr.flags["C_CONTIGUOUS"] and arr.size for arr in arrays):
-            return super().read_back(arrays)
-        copies = runtime.read_back(arrays)
-        return lambda: [runtime.bf16_values(host) if host.dtype == runtime.BF16 else host for host in copies()]
+        """Copies queued behind the work so far (see `DEVICE.read_back`)."""
+        from nanoeuler_ops.cuda.device import DEVICE
+        copies = DEVICE.read_back(arrays)
+        return lambda: [_values(host) for host in copies()]
 
     def host_visible(self, shape, dtype):
-        """Page-locked host memory mapped into the GPU's address space: kernels write it over the bus
-        as they run, in place of a copy queued after them (a copy costs a step about 8 us on an H100)."""
-        from nanoeuler_ops.cuda import runtime
-        if runtime.SIMULATOR:
-            return super().host_visible(shape, dtype)
-        return runtime.host_visible(shape, dtype)
+        """On a GPU, page-locked host memory mapped into the GPU's address space: kernels write it
+        over the bus as they run, in place of a copy queued after them."""
+        from nanoeuler_ops.cuda.device import DEVICE
+        return DEVICE.host_visible(shape, dtype)
 
     def zeros(self, shape, dtype=None):
         from nanoeuler_ops.cuda import runtime
-        return runtime.zeros(shape, runtime.BF16 if dtype == "bf16" else dtype or self.dtype)
+        from nanoeuler_ops.cuda.device import BF16
+        return runtime.zeros(shape, BF16 if dtype == "bf16" else dtype or self.dtype)
 
     def zero_(self, arr) -> None:
         from nanoeuler_ops.cuda import runtime
@@ -116,10 +108,11 @@ class CudaBackend(Backend):
 
     def copy_(self, dst, src) -> None:
         from nanoeuler_ops.cuda import runtime
+        from nanoeuler_ops.cuda.device import BF16
         if not isinstance(src, np.ndarray):
             runtime.copy(dst, src)  # device to device (casting between storages): a kernel on the current stream
-        elif dst.dtype == runtime.BF16:
-            dst.copy_to_device(runtime.bf16_bits(src))
+        elif dst.dtype == BF16:
+            dst.copy_to_device(registry.bf16_bits(src))
         elif runtime.capturing():
             raise RuntimeError("host data cannot be copied inside a captured CUDA graph; copy it before replaying")
         else:
@@ -134,67 +127,22 @@ class CudaBackend(Backend):
         return runtime.stream_handle()
 
     def capture(self, fn):
-        """Run fn() once while recording its buffers, then capture it as a CUDA graph.
-
-        Returns (replay, result): replay() launches the graph and returns the same `result`
-        objects, now holding the new values. Under the simulator, replay is fn itself.
-        """
-        from cuda.core import Device
-
-        from nanoeuler_ops.cuda import cublas, runtime
-        if runtime.SIMULATOR:
-            return fn, fn()
-        device = Device()
-        device.set_current()
-        with runtime.ARENA.recording() as buffers:
-            result = fn()
-        builder = device.create_graph_builder()
-        if cublas.uses_cublas():
-            cublas.handle_for(int(builder.stream.handle))
-        builder.begin_building()
-        with runtime.on_stream(builder, capturing=True), runtime.ARENA.replaying():
-            fn()
-        graph = builder.end_building().complete()
-        stream = device.default_stream
-
-        def replay(buffers=buffers):  # the graph reads and writes these: keep them alive with it
-            graph.launch(stream)
-            return result
-
-        return replay, result
+        """On a GPU, fn captured as a CUDA graph (`DEVICE.capture`); on the simulator, fn itself."""
+        from nanoeuler_ops.cuda.device import DEVICE
+        return DEVICE.capture(fn)
 
     # -------------------------------------------------------------------- traits
 
     def claim_device(self, local_rank: int, local_size: int) -> str:
-        """Make GPU `local_rank` of this machine the only one this process sees (CUDA_VISIBLE_DEVICES,
-        set before the driver starts), so that every buffer, kernel and NCCL call of the rank is on
-        it whatever library allocates; returns the GPU's UUID."""
-        import numba
-        from numba import cuda
-        from numba.cuda.cudadrv import driver
+        """Make GPU `local_rank` of this machine the only one this process drives (`DEVICE.claim`),
+        before the driver starts; returns the GPU's UUID ("" on the simulator, which ranks share)."""
+        from nanoeuler_ops.cuda.device import DEVICE
 
-        if numba.config.ENABLE_CUDASIM:   # one simulated GPU, shared by nothing
-            if local_size > len(cuda.gpus):
-                raise _too_many_ranks(local_size, len(cuda.gpus))
-            return ""
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        if not driver.driver.is_initialized:
-            n_gpus = len(visible) if visible else len(os.listdir(NVIDIA_GPUS)) if os.path.isdir(NVIDIA_GPUS) else None
-            if n_gpus is not None and local_size > n_gpus:
-                raise _too_many_ranks(local_size, n_gpus)
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible[local_rank] if visible else str(local_rank)
-            if not cuda.is_available() or len(cuda.gpus) == 0:
-                raise ValueError(f"rank {local_rank} of this machine sees no GPU (CUDA_VISIBLE_DEVICES="
-                                 f"{os.environ['CUDA_VISIBLE_DEVICES']}): start at most one rank per GPU")
-            cuda.select_device(0)
-        else:   # CUDA started before the ranks were known (an embedding program): choose by ordinal
-            if local_size > len(cuda.gpus):
-                raise _too_many_ranks(local_size, len(cuda.gpus))
-            cuda.select_device(local_rank)
-            from cuda.core import Device
-
-            Device(local_rank).set_current()
-        return cuda.get_current_device().uuid
+        n_gpus = DEVICE.gpu_count()
+        if n_gpus is not None and local_size > n_gpus:
+            raise ValueError(f"{local_size} ranks on this machine but {n_gpus} GPU{'s' if n_gpus != 1 else ''}: "
+                             f"start at most one rank per GPU (mpiexec -n {n_gpus})")
+        return DEVICE.claim(local_rank)
 
     def collectives(self, comm):
         from nanoeuler_ops.cuda.collectives import NcclCollectives
@@ -202,27 +150,20 @@ class CudaBackend(Backend):
         return NcclCollectives(comm, self)
 
     def memory_in_use(self) -> int | None:
-        from nanoeuler_ops.cuda import runtime
-        if runtime.SIMULATOR:
-            return None
-        from numba import cuda
-
-        free, total = cuda.current_context().get_memory_info()
-        return total - free
+        from nanoeuler_ops.cuda.device import DEVICE
+        return DEVICE.memory_in_use()
 
     def memory_limit(self) -> int | None:
         return None
 
     def device_name(self) -> str:
-        from numba import cuda
-
-        name = cuda.get_current_device().name
-        return name.decode() if isinstance(name, bytes) else str(name)
+        from nanoeuler_ops.cuda.device import DEVICE
+        return DEVICE.name()
 
 
-def _too_many_ranks(local_size: int, n_gpus: int) -> ValueError:
-    return ValueError(f"{local_size} ranks on this machine but {n_gpus} GPU{'s' if n_gpus != 1 else ''}: "
-                      f"start at most one rank per GPU (mpiexec -n {n_gpus})")
+def _values(host: np.ndarray) -> np.ndarray:
+    """A host copy as the backend gives it: bf16 storage (uint16 patterns) as float32 values."""
+    return registry.bf16_values(host) if host.dtype == np.uint16 else host
 
 
 BACKEND = CudaBackend()

@@ -19,7 +19,7 @@ from numba import cuda, float32, float64
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.adamw import check_buffers
-from nanoeuler_ops.cuda.runtime import block_reduce
+from nanoeuler_ops.cuda.device import block_reduce
 
 THREADS = 256
 ELEMENTS = 4          # parameters a thread of the update takes

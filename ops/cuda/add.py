@@ -4,7 +4,7 @@ from numba import cuda
 
 from nanoeuler_ops.add import check_same_shape
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import stored, to_f32
+from nanoeuler_ops.cuda.device import stored, to_f32
 
 THREADS = 256
 

@@ -20,7 +20,7 @@ from nanoeuler_ops.classifier import check_shapes, run_chunks
 from nanoeuler_ops.cross_entropy import IGNORE, check_targets
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.cublas import matmul
-from nanoeuler_ops.cuda.runtime import WARP, stored, to_f32, warp_max, warp_sum
+from nanoeuler_ops.cuda.device import WARP, stored, to_f32, warp_max, warp_sum
 
 ROWS = 8   # rows (warps) per block, fewer for a chunk of fewer rows
 

@@ -1,5 +1,5 @@
 """Row-major matrix products on Numba device arrays: cuBLAS through the nvmath-python bindings,
-or a Numba shared-memory tiled kernel where nvmath is absent and under the simulator.
+or a Numba shared-memory tiled kernel where the device has no cuBLAS (nvmath absent, the simulator).
 
 Operands are float32 (exact, or TF32 tensor cores while the backend computes in TF32) or bf16 storage (tensor cores, float32 accumulation); the output is float32 or bf16,
 whichever `out` is. With `accumulate`, the product is added to what `out` holds (cuBLAS's beta = 1),
@@ -16,25 +16,12 @@ import numpy as np
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import BACKEND, runtime
-from nanoeuler_ops.cuda.runtime import stored, to_f32
+from nanoeuler_ops.cuda.device import BF16, DEVICE, stored, to_f32
 
 TILE = 16            # the fallback kernel's output tile (TILE x TILE threads per block)
 
 _ONE = np.array(1.0, np.float32)    # alpha and beta live on the host (cuBLAS's default pointer mode)
 _ZERO = np.array(0.0, np.float32)
-
-
-@cache
-def _nvmath_cublas():
-    """The nvmath cuBLAS bindings, or None (simulator, or nvmath not installed)."""
-    if runtime.SIMULATOR:
-        return None
-    try:
-        from nvmath.bindings import cublas
-    except ImportError:
-        return None
-    return cublas
-
 
 WORKSPACE_BYTES = 32 << 20   # cuBLAS's recommendation for Hopper
 
@@ -53,7 +40,7 @@ def _workspace():
 def handle_for(stream_handle: int) -> int:
     """The cuBLAS handle bound to a stream, created on first use (call it before capturing a graph
     on that stream: creating a handle allocates)."""
-    cublas = _nvmath_cublas()
+    cublas = DEVICE.cublas_bindings()
     handle = cublas.create()
     cublas.set_stream(handle, stream_handle)
     cublas.set_workspace(handle, _workspace().device_ctypes_pointer.value, WORKSPACE_BYTES)
@@ -62,7 +49,7 @@ def handle_for(stream_handle: int) -> int:
 
 def uses_cublas() -> bool:
     """Whether matmul runs on cuBLAS here (else on the Numba fallback kernel)."""
-    return _nvmath_cublas() is not None
+    return DEVICE.cublas_bindings() is not None
 
 
 @cuda.jit(cache=True)
@@ -99,17 +86,17 @@ def matmul(a, b, out, trans_a: bool = False, trans_b: bool = False, accumulate: 
     a and b of one storage."""
     M, N = out.shape
     K = a.shape[0] if trans_a else a.shape[1]
-    cublas = _nvmath_cublas()
+    cublas = DEVICE.cublas_bindings()
     if cublas is None:
         blocks = (runtime.blocks_for(N, TILE), runtime.blocks_for(M, TILE))
         runtime.launch(_matmul_tiled, blocks, (TILE, TILE), a, b, out, trans_a, trans_b, accumulate)
         return
-    low = a.dtype == runtime.BF16
+    low = a.dtype == BF16
     tf32 = BACKEND.precision.tf32 and not low
     compute = cublas.ComputeType.COMPUTE_32F_FAST_TF32 if tf32 else cublas.ComputeType.COMPUTE_32F
     op = {False: cublas.Operation.N, True: cublas.Operation.T}
     ab_type = CUDA_R_16BF if low else CUDA_R_32F
-    out_type = CUDA_R_16BF if out.dtype == runtime.BF16 else CUDA_R_32F
+    out_type = CUDA_R_16BF if out.dtype == BF16 else CUDA_R_32F
     cublas.gemm_ex(handle_for(runtime.stream_handle()), op[trans_b], op[trans_a], N, M, K, _ONE.ctypes.data,
                    b.device_ctypes_pointer.value, ab_type, b.shape[1], a.device_ctypes_pointer.value, ab_type,
                    a.shape[1], (_ONE if accumulate else _ZERO).ctypes.data, out.device_ctypes_pointer.value, out_type, N, compute,

@@ -30,7 +30,7 @@ import numpy as np
 from numba import cuda, float32, uint32 as u32, uint64 as u64
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import WARP, let_next_start, quad_sum, wait_for_previous, warp_max, warp_sum
+from nanoeuler_ops.cuda.device import WARP, let_next_start, quad_sum, wait_for_previous, warp_max, warp_sum
 from nanoeuler_ops.decode_attention import check_shapes
 from nanoeuler_ops.qkv_rope import cos_sin
 

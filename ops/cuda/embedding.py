@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import WARP, stored, to_f32, warp_ballot
+from nanoeuler_ops.cuda.device import WARP, stored, to_f32, warp_ballot
 from nanoeuler_ops.embedding import check_ids
 
 THREADS = 256

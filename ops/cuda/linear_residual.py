@@ -1,21 +1,22 @@
-"""Residual linear update for decoding on the GPU. See nanoeuler_ops/linear_residual.py for the
-math and nanoeuler_ops.cuda.decoding.py for the layout of the work: for float32 weights the warp of
-column o computes y[:, o]; for bf16 weights (the decoder's) a block per 16 columns computes them on
-the tensor cores. x and r may be float32 or bf16, read as float32 and accumulated in float32; y has
-r's storage."""
+"""Residual linear update for decoding on the GPU: y (N, O) = r (N, O) + x (N, I) @ w (O, I).T. See
+ops/linear_residual.py for the math and ops/cuda/row_products.py for the layout of the work: for
+float32 weights the warp of column o computes y[:, o]; for bf16 weights (the decoder's) a block per
+16 columns computes them on the tensor cores, its MMA_WARPS warps splitting the features (w_down's
+2,048 go faster over 16 warps than over 8). x and r may be float32 or bf16, read as float32 and
+accumulated in float32; y has r's storage."""
 
 from numba import cuda, float32, uint32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import (BLOCK, CHUNK, GROUP, ROWS, STEP, THREADS, TILE, WARP, WARPS,
-                                         chunk, column, dot, in_chunks, load_trip, load_words, mma_block, mma_lane,
-                                         mma_warps, no_chunk, no_sums, prefetch_row, row_chunk, row_group,
-                                         share_sums, tile_entry, tile_rows, trip_feature, warps_total)
-from nanoeuler_ops.cuda.runtime import BF16, let_next_start, stored, to_f32, wait_for_previous, warp_sum
+from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, to_f32, wait_for_previous, warp_sum
+from nanoeuler_ops.cuda.row_products import (BLOCK, CHUNK, GROUP, ROWS, STEP, THREADS, TILE, WARP, WARPS,
+                                             chunk, column, dot, in_chunks, load_trip, load_words, mma_block, mma_lane,
+                                             no_chunk, no_sums, prefetch_row, row_chunk, row_group, share_sums,
+                                             tile_entry, tile_rows, trip_feature, warps_total)
 from nanoeuler_ops.linear_residual import check_shapes
 
-TRIP = 8   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
-MMA_WARPS = mma_warps(16)   # warps of a tensor-core block
+TRIP = 8   # chunks of each operand a lane asks for at once (row_products)
+MMA_WARPS = 16   # warps of a tensor-core block
 MMA_TRIP = 4   # blocks of features a warp asks for at once: 16 warps x 4 x 32, w_down's 2,048
 
 

@@ -1,11 +1,11 @@
-"""RMSNorm + linear for decoding on the GPU. See nanoeuler_ops/norm_linear.py for the math and
-nanoeuler_ops.cuda.decoding.py for the layout of the work.
+"""RMSNorm + linear for decoding on the GPU: y (N, O) = rmsnorm(x (N, C); g) @ w (O, C).T. See
+ops/norm_linear.py for the math and ops/cuda/row_products.py for the layout of the work.
 
 Float32 weights: the warp of column o computes y[:, o]: each lane walks its chunks of features once
 per group of rows, accumulating both the dot products with w[o] * g and the sums of squares; rstd
-is applied at the end. bf16 weights (the decoder's): decoding.norm_tiles, on the tensor cores, a
-block per 16 columns, the products of w with x * g, rstd applied at the end. x and g may be float32 or bf16, read as
-float32 and accumulated in float32; y has x's storage.
+is applied at the end. bf16 weights (the decoder's): row_products.norm_tiles, on the tensor cores,
+a block per 16 columns, the products of w with x * g, rstd applied at the end. x and g may be
+float32 or bf16, read as float32 and accumulated in float32; y has x's storage.
 """
 
 import math
@@ -13,12 +13,12 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
-                                         launch_norm_tiles, load_trip, no_chunk, prefetch_row, product, row_group)
-from nanoeuler_ops.cuda.runtime import BF16, let_next_start, stored, wait_for_previous, warp_sum
+from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, wait_for_previous, warp_sum
+from nanoeuler_ops.cuda.row_products import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
+                                             launch_norm_tiles, load_trip, no_chunk, prefetch_row, product, row_group)
 from nanoeuler_ops.norm_linear import check_shapes
 
-TRIP = 4   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
+TRIP = 4   # chunks of each operand a lane asks for at once (row_products)
 
 
 @cuda.jit(device=True, inline=True)

@@ -1,10 +1,11 @@
-"""RMSNorm + gate/up projections + SwiGLU for decoding on the GPU. See nanoeuler_ops/norm_swiglu.py
-for the math and nanoeuler_ops.cuda.decoding.py for the layout of the work.
+"""RMSNorm + gate/up projections + SwiGLU for decoding on the GPU: y (N, F) = swiglu of
+rmsnorm(x (N, C); g) @ w[:F].T and @ w[F:].T, w (2F, C). See ops/norm_swiglu.py for the math and
+ops/cuda/row_products.py for the layout of the work.
 
 Float32 weights: the warp of column f computes y[:, f] from the gate row w[f] and the up row
-w[F + f], read side by side. bf16 weights (the decoder's): decoding.norm_tiles, on the tensor
-cores, a block per 16 columns, its gate rows and its up rows side by side. x and g may be float32 or bf16, read as
-float32 and accumulated in float32; y has x's storage.
+w[F + f], read side by side. bf16 weights (the decoder's): row_products.norm_tiles, on the tensor
+cores, a block per 16 columns, its gate rows and its up rows side by side. x and g may be float32
+or bf16, read as float32 and accumulated in float32; y has x's storage.
 """
 
 import math
@@ -12,13 +13,13 @@ import math
 from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.decoding import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
-                                         launch_norm_tiles, load_trip, no_chunk, prefetch_row, product, row_group,
-                                         swiglu)
-from nanoeuler_ops.cuda.runtime import BF16, let_next_start, stored, wait_for_previous, warp_sum
+from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, wait_for_previous, warp_sum
+from nanoeuler_ops.cuda.row_products import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
+                                             launch_norm_tiles, load_trip, no_chunk, prefetch_row, product, row_group,
+                                             swiglu)
 from nanoeuler_ops.norm_swiglu import check_shapes
 
-TRIP = 3   # chunks of each operand a lane asks for at once (nanoeuler_ops.cuda.decoding)
+TRIP = 3   # chunks of each operand a lane asks for at once (row_products)
 
 
 @cuda.jit(device=True, inline=True)

@@ -9,7 +9,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import WARP, stored, to_f32
+from nanoeuler_ops.cuda.device import WARP, stored, to_f32
 from nanoeuler_ops.qkv_rope import check_shape, cos_sin
 
 _tables: dict = {}   # (D, theta) -> (cos, sin), each (L, D/2) on the GPU

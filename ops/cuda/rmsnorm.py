@@ -2,7 +2,7 @@
 kernels). See nanoeuler_ops/rmsnorm.py and add_rmsnorm.py for the math. x, w, y and dx are float32
 or bf16 storage; the statistics, rstd and dw are float32.
 
-Rows are read and written in pairs of neighbouring elements (`runtime.pairs`: one 4-byte word per
+Rows are read and written in pairs of neighbouring elements (`device.pairs`: one 4-byte word per
 two bf16, one 8-byte word per two float32), so C must be even. One warp takes one row at a time:
 lane l holds the row's pairs l, l + 32, l + 64, ... in registers, loaded once; nothing is read twice
 from memory. How many pairs a lane holds (K = ceil(C / 64), at most MAX_WORDS) must be known when a
@@ -26,7 +26,7 @@ import numpy as np
 from numba import cuda, float32, uint64
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import WARP, pair_values, pairs, stored_pair, warp_sum
+from nanoeuler_ops.cuda.device import WARP, pair_values, pairs, stored_pair, warp_sum
 from nanoeuler_ops.rmsnorm import check_shapes
 
 MAX_WORDS = 32             # pairs of a row one lane may hold: rows of up to 2 * 32 * 32 = 2048 elements

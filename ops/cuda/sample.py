@@ -1,9 +1,9 @@
-"""Choosing the next tokens on the GPU. See nanoeuler_ops/sample.py for the rules and the random
-numbers (the very `uniform` function compiled for the device).
+"""Choosing the next tokens on the GPU. See ops/sample.py for the rules and the random numbers (the
+very `uniform` function compiled for the device).
 
-One block per row. The row's decisions (accept, refuse, which token) are taken by every thread
-alike from block-wide results, so the block follows one path; the work over the vocabulary is
-split among its threads:
+One block of THREADS threads per row of logits (B, T, K, V). The row's decisions (accept, refuse,
+which token) are taken by every thread alike from block-wide results, so the block follows one
+path; the work over the vocabulary is split among its threads:
   argmax     each thread keeps its first largest logit, then a tree over threads (ties: lowest id);
   top-k      the k-th largest logit by bisection over the logits' bits (ordered as integers),
              counting with block sums: exact, whatever the order of the sums;
@@ -12,7 +12,7 @@ split among its threads:
   a draw     each thread sums a contiguous chunk of the weights, thread 0 walks the chunk sums and
              then the chosen chunk, in vocabulary order.
 The distributions are written to scratch rows in global memory, so any vocabulary size fits.
-The helpers take their shared memory from the kernel (see runtime.block_reduce for why).
+The helpers take their shared memory from the kernel (see device.block_reduce for why).
 """
 
 import math
@@ -22,11 +22,10 @@ from numba import cuda, float32, float64, int64
 
 from nanoeuler_ops import sample as spec
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import block_reduce, let_next_start, wait_for_previous
+from nanoeuler_ops.cuda.device import block_reduce, let_next_start, wait_for_previous
 from nanoeuler_ops.sample import STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_SAMPLE, check_args
 
-THREADS = 32 if runtime.SIMULATOR else 256   # a power of two; one warp keeps the simulator quick
-MAX_THREADS = 256
+THREADS = 256   # a power of two
 _uniform = cuda.jit(device=True)(spec.uniform)
 
 
@@ -47,7 +46,7 @@ def _better(best, best_i, x, i, V):
 
 @cuda.jit(device=True)
 def _argmax(row, values, index):
-    # row (V,) -> the first index of its largest value, to every thread; values, index (MAX_THREADS,) shared.
+    # row (V,) -> the first index of its largest value, to every thread; values, index (THREADS,) shared.
     # A thread asks for 8 of its logits at once before comparing any (one trip to memory, not 8).
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     V = row.shape[0]
@@ -141,7 +140,7 @@ def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits, scratch):
 def _draw(p, q, residual, u, chunk_sums, chosen, scratch):
     # weights p (V,), or max(p - q, 0) when `residual` (p when that is all 0) -> the first index
     # whose cumulative weight exceeds u times the total, to every thread; shared chunk_sums
-    # (MAX_THREADS,) float64, chosen (1,) int64, scratch (32,) float64
+    # (THREADS,) float64, chosen (1,) int64, scratch (32,) float64
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     V = p.shape[0]
     if residual:
@@ -193,9 +192,9 @@ def _sample(logits, logit_bits, tokens, drafts, draft_bits, seeds, counters, pos
     # drafts, counters, pos updated; probs (B, V) scratch. Block b handles row b.
     B, T, K, V = logits.shape
     b = cuda.blockIdx.x
-    values = cuda.shared.array(MAX_THREADS, float32)
-    index = cuda.shared.array(MAX_THREADS, int64)
-    chunk_sums = cuda.shared.array(MAX_THREADS, float64)
+    values = cuda.shared.array(THREADS, float32)
+    index = cuda.shared.array(THREADS, int64)
+    chunk_sums = cuda.shared.array(THREADS, float64)
     chosen = cuda.shared.array(1, int64)
     scratch = cuda.shared.array(32, float64)
     let_next_start()

@@ -6,7 +6,7 @@ import math
 from numba import cuda, float32, uint64
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import stored, to_f32
+from nanoeuler_ops.cuda.device import stored, to_f32
 from nanoeuler_ops.swiglu import check_shape
 
 THREADS = 256

@@ -2,7 +2,7 @@
 
 Block: MMA_THREADS = 128 threads, 4 warps, on a tile of MMA_ROWS = 64 rows: query rows (forward,
 dq) or keys (dkdv). Each warp owns 16 of them and multiplies them with mma.sync m16n8k16
-(runtime.mma_bf16, its fragment layout there) against 64-row tiles of the other side.
+(device.mma_bf16, its fragment layout in ops/cuda/ptx.py) against 64-row tiles of the other side.
   in registers, the whole kernel:  the warp's rows as A fragments over the head dims (q; q and do;
                                    k and v), its float32 accumulators (16 x D), and the forward's
                                    running max and sum of each row
@@ -29,15 +29,15 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint64
 
-from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda import device
 from nanoeuler_ops.cuda.attention.common import LOG2E, MASKED, SHARED_ALIGN, FlashKernels, Kernel, kernel_options, \
     zero
-from nanoeuler_ops.cuda.runtime import bf16x2_values, mma_bf16, pack_bf16x2, quad_max, quad_sum
+from nanoeuler_ops.cuda.device import bf16x2_values, mma_bf16, pack_bf16x2, quad_max, quad_sum
 
 
 def mma_supported(q) -> bool:
     """Whether the tensor-core kernels serve these inputs: bf16 storage, head size a multiple of 16."""
-    return q.dtype == runtime.BF16 and q.shape[3] % 16 == 0
+    return q.dtype == device.BF16 and q.shape[3] % 16 == 0
 
 
 @cache
@@ -64,7 +64,7 @@ def mma_signatures() -> dict:
 
 MMA_ROWS = 64                      # rows of a block's tile and of a streamed tile
 MMA_WARPS = MMA_ROWS // 16
-MMA_THREADS = MMA_WARPS * runtime.WARP
+MMA_THREADS = MMA_WARPS * device.WARP
 MMA_PAD = 4                        # words of padding per shared row
 NR = MMA_ROWS // 8                 # n-tiles of a score tile (8 columns each)
 KR = MMA_ROWS // 16                # k-steps of a product over a tile's 64 rows
@@ -201,9 +201,9 @@ def tile_copies(D: int) -> TileCopies:
                 valid = i32(n * COPY_ROWS) < rows_left
                 j = tile + u64(n * COPY_ROWS) * stride if valid else start   # an address in bounds either way
                 at = base + plan_at + u32(n * COPY_ROWS * row_words)
-                runtime.cp_async_16(sh, sb, at, x, j, valid)
+                device.cp_async_16(sh, sb, at, x, j, valid)
                 if pair:
-                    runtime.cp_async_16(sh, sb, at + u32(tile_words), y, j, valid)
+                    device.cp_async_16(sh, sb, at + u32(tile_words), y, j, valid)
 
     @cuda.jit(device=True, inline=True)
     def load_fragments(frag, src, b, r0, n_rows, head, heads, g, t):
@@ -226,7 +226,7 @@ def tile_copies(D: int) -> TileCopies:
         # lanes 0..15 address rows 0..15 at word 8 kc, lanes 16..31 the same rows 4 words on
         lane_base = base + u32((16 * warp + lane % 16) * WS + 4 * (lane // 16))
         for kc in range(KD):
-            a = runtime.ldmatrix_x4(sh, sb, lane_base + u32(8 * kc))
+            a = device.ldmatrix_x4(sh, sb, lane_base + u32(8 * kc))
             frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3] = a[0], a[1], a[2], a[3]
 
     @cuda.jit(device=True, inline=True)
@@ -266,7 +266,7 @@ def tile_products(D: int) -> TileProducts:
         lane_base = base + u32((lane % 8 + 8 * (lane // 16)) * WS + 4 * (lane // 8 % 2))
         for n in range(0, NR, 2):
             for kc in range(KD):
-                b = runtime.ldmatrix_x4(sh, sb, lane_base + u32(8 * n * WS + 8 * kc))
+                b = device.ldmatrix_x4(sh, sb, lane_base + u32(8 * n * WS + 8 * kc))
                 mma_tile(acc, n, frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3], b[0], b[1])
                 mma_tile(acc, n + 1, frag[kc, 0], frag[kc, 1], frag[kc, 2], frag[kc, 3], b[2], b[3])
 
@@ -278,7 +278,7 @@ def tile_products(D: int) -> TileProducts:
         for kc in range(KR):
             a0, a1, a2, a3 = row_fragment(scores, kc)
             for dn in range(0, ND, 2):
-                b = runtime.ldmatrix_x4_trans(sh, sb, lane_base + u32(16 * kc * WS + 4 * dn))
+                b = device.ldmatrix_x4_trans(sh, sb, lane_base + u32(16 * kc * WS + 4 * dn))
                 mma_tile(acc, dn, a0, a1, a2, a3, b[0], b[1])
                 mma_tile(acc, dn + 1, a0, a1, a2, a3, b[2], b[3])
 
@@ -345,7 +345,7 @@ def _forward_kernel(D: int) -> Kernel:
         # grid (B * H, T / 64), 128 threads: each warp 16 query rows against 64 keys per step
         b, h, kv, tid, warp, lane, g, t, t0, r0 = query_block(H, KV)
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
-        sb = runtime.shared_base(sh)
+        sb = device.shared_base(sh)
         q_frag = cuda.local.array((KD, 4), uint32)
         scores = cuda.local.array((NR, 4), float32)
         acc = cuda.local.array((ND, 4), float32)
@@ -355,7 +355,7 @@ def _forward_kernel(D: int) -> Kernel:
         # the block's query rows pass through the second stage, free until the loop's first prefetch
         q_start, q_stride = rows_of(b, T, h, H)
         copy_tiles(sh, sb, u32(FWD_STAGE), q, q, q_start, q_stride, copy_plan(q_stride, tid), t0, T, False)
-        runtime.cp_async_wait_all()
+        device.cp_async_wait_all()
         cuda.syncthreads()
         shared_fragments(q_frag, sh, sb, u32(FWD_STAGE), warp, lane)
         zero(acc)
@@ -367,7 +367,7 @@ def _forward_kernel(D: int) -> Kernel:
         keys_end = min(S, diagonal + MMA_ROWS)
         for s0 in range(0, keys_end, MMA_ROWS):
             stage = u32(u32(s0) // u32(MMA_ROWS) % u32(2) * u32(FWD_STAGE))
-            runtime.cp_async_wait_all()
+            device.cp_async_wait_all()
             cuda.syncthreads()   # this stage has landed; every warp is done reading the other one
             if s0 + MMA_ROWS < keys_end:
                 copy_tiles(sh, sb, u32(FWD_STAGE) - stage, k, v, kv_start, kv_stride, plan, s0 + MMA_ROWS, S)
@@ -398,7 +398,7 @@ def _dq_kernel(D: int) -> Kernel:
         # Di = rowsum(do * o), the FlashAttention-2 backward's correction, is written for the dk/dv kernel.
         b, h, kv, tid, warp, lane, g, t, t0, r0 = query_block(H, KV)
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
-        sb = runtime.shared_base(sh)
+        sb = device.shared_base(sh)
         q_frag = cuda.local.array((KD, 4), uint32)
         do_frag = cuda.local.array((KD, 4), uint32)
         scores = cuda.local.array((NR, 4), float32)
@@ -435,7 +435,7 @@ def _dq_kernel(D: int) -> Kernel:
         keys_end = min(S, diagonal + MMA_ROWS)
         for s0 in range(0, keys_end, MMA_ROWS):
             stage = u32(u32(s0) // u32(MMA_ROWS) % u32(2) * u32(DQ_STAGE))
-            runtime.cp_async_wait_all()
+            device.cp_async_wait_all()
             cuda.syncthreads()
             if s0 + MMA_ROWS < keys_end:
                 copy_tiles(sh, sb, u32(DQ_STAGE) - stage, k, v, kv_start, kv_stride, plan, s0 + MMA_ROWS, S)
@@ -477,7 +477,7 @@ def _dkdv_kernel(D: int) -> Kernel:
         s0 = cuda.blockIdx.y * MMA_ROWS   # the first keys, seen by the most query rows, start first
         k0 = s0 + 16 * warp
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
-        sb = runtime.shared_base(sh)
+        sb = device.shared_base(sh)
         row_stats = cuda.shared.array((2, 2, MMA_ROWS), float32)   # per stage: lse log2 e and Di of the query rows
         k_frag = cuda.local.array((KD, 4), uint32)
         v_frag = cuda.local.array((KD, 4), uint32)
@@ -505,7 +505,7 @@ def _dkdv_kernel(D: int) -> Kernel:
         for step in range(group * tiles):
             parity = u32(step) % u32(2)
             stage = u32(parity * KV_STAGE)
-            runtime.cp_async_wait_all()
+            device.cp_async_wait_all()
             cuda.syncthreads()
             t_next, h_next = t0 + MMA_ROWS, head
             if t_next >= T:

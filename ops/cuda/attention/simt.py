@@ -20,9 +20,8 @@ from typing import NamedTuple
 
 from numba import cuda, float32, int64, uint64
 
-from nanoeuler_ops.cuda.attention.common import MASKED, SHARED_ALIGN, FlashKernels, Kernel, kernel_options, \
-    lane_reduce, zero
-from nanoeuler_ops.cuda.runtime import stored, to_f32
+from nanoeuler_ops.cuda.attention.common import MASKED, SHARED_ALIGN, FlashKernels, Kernel, kernel_options, zero
+from nanoeuler_ops.cuda.device import lanes_reduce, stored, to_f32
 
 
 @cache
@@ -42,7 +41,12 @@ QUAD = 4
 # extra warps hide more latency than the few spilled registers cost
 MAX_REGISTERS = 128
 
-_row_reduce = lane_reduce(TILE_NX)   # over the TILE_NX threads of a register-tile row: neighbouring lanes of one warp
+
+@cuda.jit(device=True, inline=True)
+def _row_reduce(values, take_max):
+    # values[i] <- its max (or sum) over the TILE_NX threads of register-tile row i: neighbouring
+    # lanes of one warp (every thread of the block must call this)
+    lanes_reduce(values, TILE_NX, take_max)
 
 
 class _Sizes(NamedTuple):

@@ -9,7 +9,7 @@ cp.async. The products are wgmma's, the four warps multiplying together:
   in registers:         per warp the 16 x 64 score and output accumulators, P's fragments, the
                         running max and sum of each row
 Tiles are stored unpadded in the 128-byte swizzle (a row is 128 bytes), from a 1024-byte aligned
-word of the buffer: the query tile, then two stages of k and v. runtime's wgmma_* section has the
+word of the buffer: the query tile, then two stages of k and v. ops/cuda/ptx.py's wgmma_* section has the
 descriptors, fences and the simulator's twins.
 """
 
@@ -17,7 +17,7 @@ from functools import cache
 
 from numba import cuda, float32, int32, uint32, uint64
 
-from nanoeuler_ops.cuda import runtime
+from nanoeuler_ops.cuda import device, runtime
 from nanoeuler_ops.cuda.attention.common import LOG2E, MASKED, SHARED_ALIGN, Kernel, kernel_options, zero
 from nanoeuler_ops.cuda.attention.mma import KR, MMA_MAX_REGISTERS, MMA_ROWS, NR, mask_outside, query_block, \
     row_fragment, sizes, tile_copies, tile_products
@@ -56,7 +56,7 @@ def wgmma_forward(D: int) -> Kernel:
         # as mma_forward_kernel: grid (B * H, T / 64), 128 threads (one warpgroup), 16 query rows a warp
         b, h, kv, tid, warp, lane, g, t, t0, r0 = query_block(H, KV)
         sh = cuda.shared.array(0, uint32, alignment=SHARED_ALIGN)
-        sb = runtime.shared_base(sh)
+        sb = device.shared_base(sh)
         q_at = ((u32(1024) - (sb & u32(1023))) & u32(1023)) >> u32(2)
         kv_at = q_at + u32(WG_TILE)
         scores = cuda.local.array((NR, 4), float32)
@@ -67,7 +67,7 @@ def wgmma_forward(D: int) -> Kernel:
         copy_tiles(sh, sb, kv_at, k, v, kv_start, kv_stride, plan, 0, S, True, W, WG_TILE)
         q_start, q_stride = rows_of(b, T, h, H)
         copy_tiles(sh, sb, q_at, q, q, q_start, q_stride, swizzled_plan(q_stride, tid), t0, T, False, W, WG_TILE)
-        q_desc = runtime.smem_descriptor(sb + u32(4) * q_at, u32(WG_GROUP))
+        q_desc = device.smem_descriptor(sb + u32(4) * q_at, u32(WG_GROUP))
         zero(acc)
         scale2 = scale * f32(LOG2E)
         top_a, top_b = f32(MASKED), f32(MASKED)
@@ -77,30 +77,30 @@ def wgmma_forward(D: int) -> Kernel:
         keys_end = min(S, diagonal + MMA_ROWS)
         for s0 in range(0, keys_end, MMA_ROWS):
             stage = u32(u32(s0) // u32(MMA_ROWS) % u32(2) * u32(2 * WG_TILE))
-            runtime.cp_async_wait_all()
-            runtime.proxy_fence()   # the copies' writes, visible to the tensor cores
+            device.cp_async_wait_all()
+            device.proxy_fence()   # the copies' writes, visible to the tensor cores
             cuda.syncthreads()      # this stage has landed; every warp's products of the other are done
             if s0 + MMA_ROWS < keys_end:
                 copy_tiles(sh, sb, kv_at + u32(2 * WG_TILE) - stage, k, v, kv_start, kv_stride, plan, s0 + MMA_ROWS,
                            S, True, W, WG_TILE)
-            k_desc = runtime.smem_descriptor(sb + u32(4) * (kv_at + stage), u32(WG_GROUP))
-            v_desc = runtime.smem_descriptor(sb + u32(4) * (kv_at + stage + u32(WG_TILE)), u32(WG_GROUP))
-            runtime.wgmma_fence(scores, scores)
+            k_desc = device.smem_descriptor(sb + u32(4) * (kv_at + stage), u32(WG_GROUP))
+            v_desc = device.smem_descriptor(sb + u32(4) * (kv_at + stage + u32(WG_TILE)), u32(WG_GROUP))
+            device.wgmma_fence(scores, scores)
             for kc in range(KD):   # k-step kc: 32 bytes along the rows of q and k
-                runtime.wgmma_ss(scores, sh, q_desc + u64(2 * kc), k_desc + u64(2 * kc), kc > 0)
-            runtime.wgmma_commit()
-            runtime.wgmma_wait(scores)
+                device.wgmma_ss(scores, sh, q_desc + u64(2 * kc), k_desc + u64(2 * kc), kc > 0)
+            device.wgmma_commit()
+            device.wgmma_wait(scores)
             if s0 + MMA_ROWS - 1 > diagonal:
                 mask_outside(scores, i32(-1), i32(last_a - s0 - 2 * t), i32(-1), i32(last_b - s0 - 2 * t))
             top_a, top_b, sum_a, sum_b = online_softmax(scores, acc, top_a, top_b, sum_a, sum_b, scale2)
             for kc in range(KR):
                 probs[kc, 0], probs[kc, 1], probs[kc, 2], probs[kc, 3] = row_fragment(scores, kc)
-            runtime.wgmma_fence(acc, probs)
+            device.wgmma_fence(acc, probs)
             for kc in range(KR):   # k-step kc: 16 rows of v, two groups of 8
-                runtime.wgmma_rs_t(acc, probs[kc, 0], probs[kc, 1], probs[kc, 2], probs[kc, 3], sh,
+                device.wgmma_rs_t(acc, probs[kc, 0], probs[kc, 1], probs[kc, 2], probs[kc, 3], sh,
                                    v_desc + u64(2 * WG_GROUP // 16 * kc), True)
-            runtime.wgmma_commit()
-            runtime.wgmma_wait(acc)
+            device.wgmma_commit()
+            device.wgmma_wait(acc)
         finish_rows(o, lse, acc, top_a, top_b, sum_a, sum_b, scale, b, h, r0, T, H, g, t)
 
     return Kernel(wgmma_forward_kernel, 4 * (WG_SLACK + 5 * WG_TILE))

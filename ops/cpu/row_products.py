@@ -1,5 +1,5 @@
-"""Kernels the CPU decoding ops norm_linear, norm_swiglu and linear_residual share: RMSNorm rows
-and matrix products whose row n does not depend on the batch.
+"""The RMSNorm rows and matrix products that the CPU decoding ops norm_linear, norm_swiglu and
+linear_residual share, each row's result independent of the batch.
 
 Decoding needs a token's result to be the same whether it is computed alone, beside other rows
 of a batch, or beside speculative proposals (docs/decoding.md). A BLAS sgemm

@@ -1,43 +1,27 @@
-"""Device code the CUDA decoding ops share.
+"""The skinny matrix products that the decoding ops norm_linear, norm_swiglu and linear_residual
+share: y[n, o] = x[n] . w[o] (after an RMSNorm of x, or plus a residual) for a few rows x (N, C) and
+a weight matrix w (O, C), each row's result independent of the others (batch invariance).
 
-norm_linear, norm_swiglu and linear_residual have two kinds of kernels. For bf16 weights (the
-decoder's copy, and so every step `generate` runs), tensor-core kernels: see "bf16 weights on the
-tensor cores" below. For float32 weights, FMA kernels: a warp per output column, reducing dot
-products over the input features for up to ROWS rows at a time; a block is WARPS such warps
-(columns). The rest of this docstring is theirs.
-
-The features go in chunks of CHUNK = 8: lane l takes chunks l, l + 32, l + 64, ... of a row, in
-that order, and sums each chunk's products in element order; the warp then adds its lanes by a
-fixed shuffle tree. A row's result thus depends on nothing but the row (batch invariance,
-nanoeuler_core/inference/decode.py), not on how many rows the call holds or where the row sits.
-
-At decoding's few rows these kernels are bound by latency, not bandwidth: a column's weights are a
-few KB, a whole matrix a few MB. So a lane asks for several chunks of every operand at once before
-it uses any, each chunk one 16-byte load with no branch between them (`chunk`; rows of other
-lengths are padded to whole chunks first, `in_chunks`), and no warp waits on another. How many
-chunks a trip (TRIP in each kernel) is what the kernel's registers allow with every column of the
-`gpu` preset's matrices in one wave of blocks: norm_linear 4 (a 768-wide row in one trip),
-norm_swiglu 3 of each of its two rows, linear_residual 8 (w_down's 2,048 features in one trip).
-The rows go in groups of R (`row_group`): 1 for a lone row (plain decoding at batch 1), else ROWS.
-R is known when the kernel compiles (one kernel per R), so a lone row's kernel holds no other row's
-sums: fewer registers, and more of its blocks fit beside the kernel ahead of it.
-Launched with overlap=True, each kernel first asks for its weight rows to come into L2
-(`prefetch_row`, no registers held), loads its first trip of them (a whole row at the `gpu`
-preset's sizes) and only then waits for the kernel ahead of it to end: the weights come while that
-kernel runs, and only the input rows are read after it. The first trip's weights stay in registers
-for every group of rows; later trips, if any, are read again for each group (`load_trip`).
+Float32 weights, FMA kernels: a warp per output column o, a block WARPS columns. Lane l reads the
+features in chunks of CHUNK = 8 (one 16-byte load each): chunks l, l + 32, ..., a trip of several
+at once, and sums each chunk in element order; the warp adds its lanes by a fixed shuffle tree.
+Rows go in groups of R (`row_group`: 1 for a lone row, else ROWS), the weights read once a group.
+bf16 weights, tensor-core kernels (mma.sync m16n8k16): a block per TILE = 16 output columns (the
+A operand), GROUP = 8 rows of x at a time (B, each row as hi + lo bf16 parts), its warps splitting
+the features BLOCK = 32 at a time; the warps' sums meet in shared memory, added in warp order.
+Each kernel asks for its weights (prefetch, first trip) before it waits for the kernel ahead.
+docs/cuda.md ("Decoding's matrix products") tells why each choice.
 """
 
 import math
 
-import numpy as np
-from numba import cuda, float32, int32, types, uint32
+from numba import cuda, float32, int32, uint32
 
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.runtime import (SIMULATOR, WARP, bf16x2_values, let_next_start, mma_bf16, pack_bf16x2,
-                                        prefetch_l2, quad_sum, stored, to_f32, wait_for_previous)
+from nanoeuler_ops.cuda.device import (DEVICE, WARP, bf16x2_values, let_next_start, load_16_bytes, load_8_floats,
+                                       mma_bf16, pack_bf16x2, prefetch_l2, quad_sum, stored, wait_for_previous)
 
-WARPS = 2 if SIMULATOR else 4     # columns per block; two keep the simulator quick
+WARPS = 4       # columns per block
 THREADS = WARPS * WARP
 ROWS = 4        # rows reduced together: the weights are read once per group of ROWS rows
 CHUNK = 8       # features a lane reads at once (16 bytes of bf16)
@@ -53,7 +37,7 @@ def row_group(N: int) -> tuple:
 def vector_ready(a) -> bool:
     """Whether every row of the contiguous array a can be read CHUNK elements per 16-byte load:
     rows a multiple of CHUNK long, the data 16-byte aligned."""
-    return a.shape[a.ndim - 1] % CHUNK == 0 and (SIMULATOR or a.device_ctypes_pointer.value % 16 == 0)
+    return a.shape[a.ndim - 1] % CHUNK == 0 and DEVICE.is_aligned(a, 16)
 
 
 @cuda.jit(cache=True)
@@ -107,44 +91,12 @@ def prefetch_row(w, row):
         prefetch_l2(w, row * C + line)
 
 
-if SIMULATOR:
-    def vector8(a, row, c):
-        return tuple(to_f32(a[row, c + e]) for e in range(CHUNK))
-else:
-    from numba.cuda.extending import overload
-
-    from nanoeuler_ops.cuda.runtime import float_from_bits, load_16_bytes
-
-    def vector8(a, row, c):
-        """a[row, c:c+8] as eight float32, by 16-byte loads (c a multiple of 8, the row aligned)."""
-
-    @overload(vector8, inline="always")
-    def _vector8(a, row, c):
-        if a.dtype == types.uint16:
-            def bf16_chunk(a, row, c):
-                w0, w1, w2, w3 = load_16_bytes(a, row * a.shape[1] + c)
-                e0, e1 = bf16x2_values(w0)
-                e2, e3 = bf16x2_values(w1)
-                e4, e5 = bf16x2_values(w2)
-                e6, e7 = bf16x2_values(w3)
-                return e0, e1, e2, e3, e4, e5, e6, e7
-            return bf16_chunk
-
-        def f32_chunk(a, row, c):
-            i = row * a.shape[1] + c
-            w0, w1, w2, w3 = load_16_bytes(a, i)
-            w4, w5, w6, w7 = load_16_bytes(a, i + 4)
-            return (float_from_bits(w0), float_from_bits(w1), float_from_bits(w2), float_from_bits(w3),
-                    float_from_bits(w4), float_from_bits(w5), float_from_bits(w6), float_from_bits(w7))
-        return f32_chunk
-
-
 @cuda.jit(device=True, inline=True)
 def chunk(a, row, c):
     """a[row, c:c+8] as eight float32 (rows of whole chunks); zeros where c is past the row's end,
     read without a branch so that a lane's loads all go out before it uses any."""
     C = a.shape[1]
-    v = vector8(a, row, min(c, C - CHUNK))
+    v = load_8_floats(a, row, min(c, C - CHUNK))
     keep = c < C
     zero = float32(0.0)
     return (v[0] if keep else zero, v[1] if keep else zero, v[2] if keep else zero, v[3] if keep else zero,
@@ -172,34 +124,20 @@ def dot(total, a, b):
 
 
 # ---------------------------------------------------------------- bf16 weights on the tensor cores
-# The kernels for bf16 weights multiply on the tensor cores (mma.sync m16n8k16, runtime's fragment
-# layout): the weights are the A operand, TILE = 16 output columns by 16 features, and the rows of
-# x the B operand, GROUP = 8 rows at a time. A block computes one tile of columns for every row; its
-# warps (NORM_WARPS, linear_residual's MMA_WARPS) split the features, BLOCK = 32 at a time: lane
-# 4i + t of a warp reads features c + 8t .. c + 8t + 7 of the tile's weight rows i and i + 8 and of
-# x's row i of the group, each a 16-byte load, and feeds them to two products (`mma_block`). Each
-# row of x goes in as two bf16 operands, hi + lo, x's first 16 significant bits of its 24: the
-# products of bf16 weights with them are exact, added in float32 (hi's and lo's sums apart). The
-# warps' sums then meet in shared memory, added in warp order. A row's result depends on nothing
-# but the row: the same operations in the same order for one row alone or among others (batch
-# invariance), with one kernel for every number of rows.
-#
-# Where the FMA kernels (above) ask for R rows' products lane by lane, an mma takes 8 rows' at once:
-# on an H100 a captured step of 4 tokens a row took 355 us against 305 for one token (FMA: 530
-# against 270). The weights of a block's first trip are loaded before the kernel waits for the one
-# ahead of it (`wait_for_previous`), as above. Measured there: 16 columns a block beat 8 (twice the
-# blocks, each holding as many registers), w_down's 2,048 features went faster over 16 warps than
-# over 8, and the norm kernels' 768 slower.
+# The weights are the A operand of mma.sync m16n8k16 (ptx.py's fragment layout): TILE output columns
+# by 16 features; the rows of x are B, GROUP rows at a time. Lane 4i + t of a warp reads features
+# c + 8t .. c + 8t + 7 of the tile's weight rows i and i + 8 and of x's row i of the group, each a
+# 16-byte load, and feeds them to two products (`mma_block`). A row of x goes in as two bf16
+# operands, hi + lo (x's first 16 significant bits of its 24): the products of bf16 weights with
+# them are exact, added in float32 (hi's and lo's sums apart). The warps' sums then meet in shared
+# memory, added in warp order: the same operations in the same order for a row alone or among
+# others, with one kernel for every number of rows. A block's warps (NORM_WARPS, linear_residual's
+# MMA_WARPS) split the features; 16 columns a block rather than 8 (twice the blocks, each holding
+# as many registers) keeps more of the GPU's registers busy with loads in flight.
 
 TILE = 16       # output columns of a block: the rows of an mma's A operand
 GROUP = 8       # rows of x a product takes: the columns of its B operand
 BLOCK = 32      # features of a lane's two products
-
-
-def mma_warps(warps: int) -> int:
-    """A kernel's warps a block: `warps` on a GPU, two on the simulator (quick, and still two to add).
-    Kernels pass it to the helpers below as a constant, so that their loops over warps unroll."""
-    return 2 if SIMULATOR else warps
 
 
 @cuda.jit(device=True, inline=True)
@@ -224,15 +162,10 @@ def tile_rows(w, first, i):
     return min(first + i, last), min(first + i + 8, last)
 
 
-if SIMULATOR:
-    def words8(a, row, c):
-        return tuple(np.uint32(a[row, c + 2 * e]) | np.uint32(a[row, c + 2 * e + 1]) << np.uint32(16)
-                     for e in range(4))
-else:
-    @cuda.jit(device=True, inline=True)
-    def words8(a, row, c):
-        """The bf16 a[row, c:c+8] as four uint32 (element c in the first's low half), one 16-byte load."""
-        return load_16_bytes(a, row * a.shape[1] + c)
+@cuda.jit(device=True, inline=True)
+def words8(a, row, c):
+    """The bf16 a[row, c:c+8] as four uint32 (element c in the first's low half), one 16-byte load."""
+    return load_16_bytes(a, row * a.shape[1] + c)
 
 
 @cuda.jit(device=True, inline=True)
@@ -353,7 +286,7 @@ def swiglu(gate, up):
     return gate * sigmoid * up
 
 
-NORM_WARPS = mma_warps(8)   # warps of a norm_tiles block
+NORM_WARPS = 8   # warps of a norm_tiles block
 NORM_TRIP = 3   # blocks of features a warp asks for at once: 8 warps x 3 x 32, the `gpu` preset's 768
 
 
