@@ -7,7 +7,7 @@ KV key heads, then KV value heads); k_cache, v_cache (B, S, KV, D), updated in p
 -> o (B, T, H, D); saved (). Attrs: n_kv_heads (KV), theta (the RoPE base).
 
 Token t of row b sits at position p = pos[b] + t. Its query and key are rotated by RoPE at p (as
-nanoeuler_ops/qkv_rope.py: rotate half, inv_freq[j] = theta^(-2j/D)); its key and value go to
+ops/qkv_rope.py: rotate half, inv_freq[j] = theta^(-2j/D)); its key and value go to
 cache[b, p]; its query attends keys 0..p of row b (the row's earlier tokens, cached by earlier
 calls or by this one), query head h reading key/value head h // (H / KV):
 

@@ -1,5 +1,5 @@
 """CPU kernel paths the registry's gradcheck does not reach with its small samples: the matrix
-product cut into one tile per thread (nanoeuler_ops/cpu/common.py's gemm), and attention over
+product cut into one tile per thread (ops/cpu/common.py's gemm), and attention over
 several blocks of query rows (the causal limit of each block, dk and dv summed over the blocks and
 the query heads of a group), on one thread and on several, and on the plain-loop sgemm used where
 OpenBLAS is missing. Each against float64 NumPy, and run twice for the same bits. And the

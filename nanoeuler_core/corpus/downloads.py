@@ -17,7 +17,7 @@ Output layout (`out` is the folder given to each function):
     hellaswag: out                                                    (JSONL, as published)
 
 In the FineWeb corpus, documents are separated by a line holding only `</s>`; `load_tokens`
-turns that line into the tokenizer's end-of-document id (see nanoeuler_core/data.py). Gutenberg
+turns that line into the tokenizer's end-of-document id (nanoeuler_core/corpus/tokens.py). Gutenberg
 books are separated by two blank lines, as the books themselves separate chapters.
 """
 

@@ -1,4 +1,4 @@
-"""AdamW on the CPU. See nanoeuler_ops/adamw.py for the math."""
+"""AdamW on the CPU. See ops/adamw.py for the math."""
 
 import numpy as np
 from numba import njit, prange

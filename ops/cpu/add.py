@@ -1,4 +1,4 @@
-"""Elementwise sum on the CPU. See nanoeuler_ops/add.py for the math."""
+"""Elementwise sum on the CPU. See ops/add.py for the math."""
 
 import numpy as np
 from numba import njit, prange

@@ -1,5 +1,5 @@
 """Residual add then RMSNorm on the CPU, one pass over the rows each way: the rmsnorm kernels with
-the add taken in. See nanoeuler_ops/add_rmsnorm.py."""
+the add taken in. See ops/add_rmsnorm.py."""
 
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""Causal GQA attention on the CPU, on sgemm blocks. See nanoeuler_ops/attention.py for the math.
+"""Causal GQA attention on the CPU, on sgemm blocks. See ops/attention.py for the math.
 
 As in PyTorch's CPU path, no (T, S) score matrix exists: a task walks its query rows in blocks
 of QUERY_BLOCK and holds only one block's scores against the keys it sees (QUERY_BLOCK x S floats).

@@ -1,4 +1,4 @@
-"""The fused classifier on the CPU: the chunk schedule of nanoeuler_ops/classifier.py (the math
+"""The fused classifier on the CPU: the chunk schedule of ops/classifier.py (the math
 and the fused call are described there), its products on OpenBLAS's sgemm tiled over Numba's
 threads (common.gemm, as the linear op's; beta = 1 where a gradient is added), and one Numba
 pass over each chunk's rows."""

@@ -1,4 +1,4 @@
-"""Cross-entropy on the CPU. See nanoeuler_ops/cross_entropy.py for the math."""
+"""Cross-entropy on the CPU. See ops/cross_entropy.py for the math."""
 
 import numpy as np
 from numba import njit, prange

@@ -1,4 +1,4 @@
-"""Decoding attention with a KV cache on the CPU. See nanoeuler_ops/decode_attention.py for the math.
+"""Decoding attention with a KV cache on the CPU. See ops/decode_attention.py for the math.
 
 The new tokens' keys and values go into the caches first; then each (row, token, head) query's
 scores over its row of the cache are computed, exponentiated and summed into o in the order of the

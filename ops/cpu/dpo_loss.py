@@ -1,4 +1,4 @@
-"""The DPO loss on the CPU. See nanoeuler_ops/dpo_loss.py for the math."""
+"""The DPO loss on the CPU. See ops/dpo_loss.py for the math."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Token embedding on the CPU. See nanoeuler_ops/embedding.py for the math."""
+"""Token embedding on the CPU. See ops/embedding.py for the math."""
 
 import numpy as np
 from numba import njit, prange

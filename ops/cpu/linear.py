@@ -1,6 +1,6 @@
 """Linear layer on the CPU: OpenBLAS's sgemm (blocked, vectorised), one tile per Numba thread
-(nanoeuler_ops/cpu/common.py's `gemm`), the gradients added into `into` by the product itself.
-See nanoeuler_ops/linear.py."""
+(ops/cpu/common.py's `gemm`), the gradients added into `into` by the product itself.
+See ops/linear.py."""
 
 import numpy as np
 

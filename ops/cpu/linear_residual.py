@@ -1,4 +1,4 @@
-"""Residual linear update for decoding on the CPU. See nanoeuler_ops/linear_residual.py for the
+"""Residual linear update for decoding on the CPU. See ops/linear_residual.py for the
 math and ops/cpu/row_products.py for how rows stay independent of the batch."""
 
 import numpy as np

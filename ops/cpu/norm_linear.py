@@ -1,4 +1,4 @@
-"""RMSNorm + linear for decoding on the CPU. See nanoeuler_ops/norm_linear.py for the math and
+"""RMSNorm + linear for decoding on the CPU. See ops/norm_linear.py for the math and
 ops/cpu/row_products.py for how rows stay independent of the batch."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""RMSNorm + gate/up projections + SwiGLU for decoding on the CPU. See nanoeuler_ops/norm_swiglu.py
+"""RMSNorm + gate/up projections + SwiGLU for decoding on the CPU. See ops/norm_swiglu.py
 for the math and ops/cpu/row_products.py for how rows stay independent of the batch."""
 
 import numpy as np

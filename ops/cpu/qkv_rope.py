@@ -1,5 +1,5 @@
 """Split a fused q/k/v projection into heads and rotate q and k, on the CPU, in one pass over the
-rows each way. See nanoeuler_ops/qkv_rope.py."""
+rows each way. See ops/qkv_rope.py."""
 
 from functools import lru_cache
 

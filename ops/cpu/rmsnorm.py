@@ -1,6 +1,6 @@
-"""RMSNorm on the CPU. See nanoeuler_ops/rmsnorm.py for the math.
+"""RMSNorm on the CPU. See ops/rmsnorm.py for the math.
 
-The kernels take an optional residual add with them, for add_rmsnorm (nanoeuler_ops/cpu/add_rmsnorm.py):
+The kernels take an optional residual add with them, for add_rmsnorm (ops/cpu/add_rmsnorm.py):
 the forward can normalise x + branch, writing the sum too, and the backward can add the gradient
 that reaches the sum from the residual stream, each in the same pass over the rows.
 """

@@ -1,4 +1,4 @@
-"""Choosing the next tokens on the CPU. See nanoeuler_ops/sample.py for the rules and the random
+"""Choosing the next tokens on the CPU. See ops/sample.py for the rules and the random
 numbers; rows are handled one after another on one thread (a few hundred to a few thousand
 logits each)."""
 
@@ -13,7 +13,7 @@ _uniform = njit(cache=True)(spec.uniform)
 
 @njit(cache=True)
 def _warp(z, temperature, top_k, top_p, p):
-    # z (V,) logits -> p (V,) the distribution to draw from (see nanoeuler_ops/sample.py)
+    # z (V,) logits -> p (V,) the distribution to draw from (see ops/sample.py)
     V = z.shape[0]
     threshold = -np.inf
     if 0 < top_k < V:

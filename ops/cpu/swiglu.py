@@ -1,4 +1,4 @@
-"""SwiGLU gating on the CPU. See nanoeuler_ops/swiglu.py for the math."""
+"""SwiGLU gating on the CPU. See ops/swiglu.py for the math."""
 
 import numpy as np
 from numba import njit, prange

@@ -1,4 +1,4 @@
-"""AdamW with global gradient-norm clipping on the GPU. See nanoeuler_ops/adamw.py for the math.
+"""AdamW with global gradient-norm clipping on the GPU. See ops/adamw.py for the math.
 
 Three launches and no host synchronisation, so a captured CUDA graph replays the whole step:
   1. each block sums the squares of its share of the gradients (float64) into partial[block];

@@ -1,4 +1,4 @@
-"""Elementwise add on the GPU, float32 or bf16 storage (float32 arithmetic). See nanoeuler_ops/add.py."""
+"""Elementwise add on the GPU, float32 or bf16 storage (float32 arithmetic). See ops/add.py."""
 
 from numba import cuda
 

@@ -1,5 +1,5 @@
 """Residual add then RMSNorm on the GPU: one pass forward, one backward (the rmsnorm kernels with
-their residual variants). See nanoeuler_ops/add_rmsnorm.py for the math."""
+their residual variants). See ops/add_rmsnorm.py for the math."""
 
 from nanoeuler_ops.add_rmsnorm import check_shapes
 from nanoeuler_ops.cuda import rmsnorm

@@ -1,4 +1,4 @@
-"""The fused classifier on the GPU: the chunk schedule of nanoeuler_ops/classifier.py (the math and
+"""The fused classifier on the GPU: the chunk schedule of ops/classifier.py (the math and
 the fused call are described there), its products on cuBLAS (cublas.matmul; beta = 1 where a
 gradient is added), and one kernel over each chunk's rows. The chunk of logits, and the dlogits
 written over it, are float32 or bf16 storage (h's); losses and the row statistics are float32.

@@ -1,4 +1,4 @@
-"""Cross-entropy with the softmax fused in, on the GPU. See nanoeuler_ops/cross_entropy.py.
+"""Cross-entropy with the softmax fused in, on the GPU. See ops/cross_entropy.py.
 Logits (and their gradient) are float32 or bf16 storage; losses and lse are float32.
 
 One warp per row: each lane keeps a running max and a sum of exponentials rescaled to it (an

@@ -1,4 +1,4 @@
-"""Decoding attention with a KV cache on the GPU (flash-decoding). See nanoeuler_ops/decode_attention.py
+"""Decoding attention with a KV cache on the GPU (flash-decoding). See ops/decode_attention.py
 for the math.
 
 Two kernels, both reading positions from `pos` in device memory (so a captured CUDA graph serves

@@ -1,4 +1,4 @@
-"""The DPO loss on the GPU. See nanoeuler_ops/dpo_loss.py for the math. One thread per pair."""
+"""The DPO loss on the GPU. See ops/dpo_loss.py for the math. One thread per pair."""
 
 import math
 

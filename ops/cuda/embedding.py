@@ -1,4 +1,4 @@
-"""Token embedding on the GPU. See nanoeuler_ops/embedding.py for the math. The table may be
+"""Token embedding on the GPU. See ops/embedding.py for the math. The table may be
 float32 or bf16 (the output has its storage); the table's gradient is float32.
 
 The backward gives each block a few table rows: it scans the ids in order, 32 at a time per warp

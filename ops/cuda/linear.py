@@ -1,4 +1,4 @@
-"""Linear layer on the GPU: three matrix products (cublas.matmul). See nanoeuler_ops/linear.py.
+"""Linear layer on the GPU: three matrix products (cublas.matmul). See ops/linear.py.
 Activations keep their storage (float32 or bf16); the weight gradient is float32. A gradient
 added into the caller's array (`into`) is cuBLAS's beta = 1: no temporary, no extra pass."""
 

@@ -1,5 +1,5 @@
 """Split a fused q/k/v projection into heads and rotate q and k, on the GPU, float32 or bf16
-storage (float32 arithmetic): one pass each way. See nanoeuler_ops/qkv_rope.py for the math.
+storage (float32 arithmetic): one pass each way. See ops/qkv_rope.py for the math.
 
 cos and sin come from the same float64 `cos_sin` as every backend, cast to float32 once and kept
 on the GPU per (D, theta) for positions 0 .. L-1 (L doubled whenever a later position shows up),

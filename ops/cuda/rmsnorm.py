@@ -1,5 +1,5 @@
 """RMSNorm on the GPU, plain and after a residual add (ops add_rmsnorm and rmsnorm share these
-kernels). See nanoeuler_ops/rmsnorm.py and add_rmsnorm.py for the math. x, w, y and dx are float32
+kernels). See ops/rmsnorm.py and add_rmsnorm.py for the math. x, w, y and dx are float32
 or bf16 storage; the statistics, rstd and dw are float32.
 
 Rows are read and written in pairs of neighbouring elements (`device.pairs`: one 4-byte word per

@@ -1,5 +1,5 @@
 """SwiGLU on the GPU, forward and backward each one fused elementwise pass, float32 or bf16
-storage (float32 arithmetic). See nanoeuler_ops/swiglu.py for the math."""
+storage (float32 arithmetic). See ops/swiglu.py for the math."""
 
 import math
 
