@@ -112,6 +112,7 @@ def cases(B: int, rng, precision: str):
     """(op, pass, numba fn, key of the torch twin ("" if none), bytes moved, flops) at batch size B."""
     N, T = B * 512, 512
     storage = "bf16" if precision == "bf16" else None
+    computing_in = registry.precision(precision)   # what the products take: TF32 or exact float32
     f32 = lambda *shape: BACKEND.asarray(rng.standard_normal(shape), storage)   # noqa: E731
     x, x2, w_norm = f32(N, C), f32(N, C), BACKEND.asarray(1.0 + 0.1 * rng.standard_normal(C))
     w_norm = BACKEND.asarray(1.0 + 0.1 * rng.standard_normal(C), storage)
@@ -149,8 +150,8 @@ def cases(B: int, rng, precision: str):
         ("rmsnorm", "fwd", lambda: rmsnorm.forward(x, w_norm, eps=1e-5), "rmsnorm_fwd", 2 * nc, 0),
         ("rmsnorm", "bwd", lambda: rmsnorm.backward(dy_nc, norm_saved, x, w_norm, eps=1e-5), "rmsnorm_bwd",
          3 * nc, 0),
-        ("linear C->F", "fwd", lambda: linear.forward(x, w_gate), "linear_fwd", nc + nf, 2 * N * C * F),
-        ("linear C->F", "bwd", lambda: linear.backward(dy_nf, (), x, w_gate), "linear_bwd", 2 * (nc + nf),
+        ("linear C->F", "fwd", lambda: linear.forward(x, w_gate, precision=computing_in), "linear_fwd", nc + nf, 2 * N * C * F),
+        ("linear C->F", "bwd", lambda: linear.backward(dy_nf, (), x, w_gate, precision=computing_in), "linear_bwd", 2 * (nc + nf),
          4 * N * C * F),
         ("add_rmsnorm", "fwd", lambda: add_rmsnorm.forward(x, x2, w_norm, eps=1e-5), "add_rmsnorm_fwd", 4 * nc, 0),
         ("add_rmsnorm", "bwd", lambda: add_rmsnorm.backward((dy_nc, x2), add_norm_saved, None, None, w_norm, eps=1e-5),
@@ -323,8 +324,7 @@ def main() -> None:
           f"{bandwidth / 1e9:.0f} GB/s ({measured_by}); {args.precision} peak {PEAK[args.precision] / 1e12:.0f} TFLOP/s")
     rng = np.random.default_rng(0)
     torch_ops = torch_fns(torch, args.batch_size, args.precision) if torch is not None else {}
-    with BACKEND.computing(registry.precision(args.precision)):
-        rows = time_cases(args, rng, torch, torch_ops, bandwidth)
+    rows = time_cases(args, rng, torch, torch_ops, bandwidth)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=name, batch_size=args.batch_size, precision=args.precision, copy_bandwidth=bandwidth,

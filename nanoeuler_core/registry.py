@@ -37,9 +37,10 @@ a None entry asks for a new array as usual.
 
 Precision is a dimension of the registry, not a fork of the kernels: a `Precision` object (FP32,
 TF32, BF16) says how values are stored and how matrix products run. An op lists, per backend, the
-precisions it runs besides fp32; a backend computes in a precision inside `computing(precision)`,
-and a kernel sees it in its inputs' storage (bf16 arrays) and in the backend's current precision
-(tensor-core products). In bf16 an op's float inputs and the gradients it returns for them are
+precisions it runs besides fp32. A kernel sees the precision in its inputs' storage (bf16 arrays)
+and, where that does not say it all (float32 products, exact or on TF32 tensor cores), in a keyword
+`precision` its forward and backward declare: the registry passes it to the implementation asked
+for in a precision (`Op.impl(backend, precision)`, `kernels_on(backend, names, precision)`). In bf16 an op's float inputs and the gradients it returns for them are
 bf16, except the gradients of parameters (weights, tables, norm scales), which stay float32, and
 outputs that are reductions (losses, norms, log-sum-exps), which are float32. The gradient checker
 compares each precision against the float32 backends with that precision's tolerance.
@@ -47,9 +48,11 @@ compares each precision against the float32 backends with that precision's toler
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -69,6 +72,17 @@ class Impl:
 
     forward: Callable[..., tuple[Any, tuple]]
     backward: Callable[..., tuple] | None = None
+
+    def in_precision(self, precision: "Precision") -> "Impl":
+        """This implementation with `precision` given to those of its functions that take it."""
+        return Impl(*(_with_precision(fn, precision) for fn in (self.forward, self.backward)))
+
+
+def _with_precision(fn, precision):
+    """fn with its keyword `precision` set, if it has one (the kernels that choose how to multiply)."""
+    if fn is None or "precision" not in inspect.signature(fn).parameters:
+        return fn
+    return functools.partial(fn, precision=precision)
 
 
 @dataclass(frozen=True)
@@ -232,8 +246,9 @@ class Backend:
                              f"(it runs: {', '.join(q.name for q in self.precisions)})")
         return p
 
-    def computing(self, precision: Precision):
-        """Run the kernels launched inside the block in `precision` (TF32 products for TF32)."""
+    def computing(self):
+        """A block inside which the model's kernels run: where a backend sets up its process before
+        its first computation (the CPU's allocator and threads)."""
         return nullcontext()
 
     # -------------------------------------------------------------------- arrays
@@ -360,22 +375,23 @@ class Op:
     precisions: dict[str, tuple[str, ...]] = field(default_factory=dict)   # backend -> precisions beyond fp32
     tols: dict[str, Tol] = field(default_factory=dict)    # precision -> bound, when the Precision's does not fit
     source: str = "nanoeuler"
-    _loaded: dict[str, Impl] = field(default_factory=dict, repr=False)
+    _loaded: dict[tuple[str, str], Impl] = field(default_factory=dict, repr=False)   # (backend, precision) ->
 
     @property
     def differentiable(self) -> bool:
         return self.reference.backward is not None
 
-    def impl(self, backend: str) -> Impl:
-        """The implementation on `backend`, importing its kernels on first use; KeyError if the
-        backend has none."""
-        if backend not in self._loaded:
+    def impl(self, backend: str, precision: "str | Precision" = "fp32") -> Impl:
+        """The implementation on `backend` in `precision`, importing its kernels on first use;
+        KeyError if the backend has none."""
+        key = (backend, str(precision))
+        if key not in self._loaded:
             impl = REGISTRY.backend(backend).kernels(self)
             if impl is None:
                 raise KeyError(f"the {backend} backend has no kernels for op '{self.name}' "
                                f"(backends with it: {', '.join(self.backend_names())})")
-            self._loaded[backend] = impl
-        return self._loaded[backend]
+            self._loaded[key] = impl.in_precision(PRECISIONS[key[1]])
+        return self._loaded[key]
 
     def backend_names(self) -> list[str]:
         """The registered backends that have this op: the ground truth first, then in registration order."""
@@ -447,7 +463,8 @@ class Registry:
         self._backends.pop(name, None)
         self._kernels.pop(name, None)
         for op in self._ops.values():
-            op._loaded.pop(name, None)
+            for key in [key for key in op._loaded if key[0] == name]:
+                del op._loaded[key]
 
     def register_kernels(self, backend: str, package: str, source: str = "") -> None:
         """Search `package` for kernels of `backend` (modules named after ops), after its own."""
@@ -525,15 +542,15 @@ def usable_backend(name: str) -> Backend:
     return be
 
 
-def kernels_on(backend_name: str, names: Iterable[str]):
-    """name -> Impl of each op on the backend, as attributes; ValueError naming the first op the
-    backend lacks (one line, for a Model or decoder built on a backend that cannot run it)."""
+def kernels_on(backend_name: str, names: Iterable[str], precision: "str | Precision" = "fp32"):
+    """name -> Impl of each op on the backend in `precision`, as attributes; ValueError naming the
+    first op the backend lacks (one line, for a Model or decoder built on a backend that cannot run it)."""
     from types import SimpleNamespace
 
     found = {}
     for name in names:
         try:
-            found[name] = op(name).impl(backend_name)
+            found[name] = op(name).impl(backend_name, precision)
         except KeyError:
             raise ValueError(f"the {backend_name} backend has no kernels for op '{name}', which the model "
                              f"needs (`nanoeuler-run ops` lists what each backend has)") from None

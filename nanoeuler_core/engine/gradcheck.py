@@ -99,13 +99,13 @@ def run_backend(op: Op, backend_name: str, inputs: tuple, attrs: dict, dout=None
     after the call; grads is one host array (or None) per input.
     """
     be = registry.backend(backend_name)
-    impl = op.impl(backend_name)
     if precision not in op.precisions_on(backend_name):
         precision = "fp32"
+    impl = op.impl(backend_name, precision)
     storage = registry.precision(precision).storage
     args = tuple((be.asarray(x, storage if x.dtype.kind == "f" else None) if isinstance(x, np.ndarray) else x)
                  for x in inputs)
-    with be.computing(registry.precision(precision)):
+    with be.computing():
         out, saved = impl.forward(*args, **attrs)
         outputs = [be.to_host(o) for o in _outputs(out)] + [be.to_host(args[i]) for i in op.inplace]
         grads = None

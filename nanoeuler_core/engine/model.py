@@ -40,7 +40,8 @@ Precision (docs/model.md, nanoeuler_core.registry.Precision): FP32; TF32 (float3
 TF32 matrix products); BF16 (mixed precision: the float32 buffer holds the master weights and
 receives float32 gradients, while the forward and backward read a bf16 copy of the weights,
 refreshed after each update, and keep activations and activation gradients in bf16; the ops
-accumulate in float32).
+accumulate in float32). The model takes its ops from the registry in its precision, which reaches
+the kernels that need it (TF32 products) as an argument.
 
 Shapes: B batch, T time, C = dim, H query heads, KV key/value heads, D = C / H, F = hidden_dim,
 V = vocab_size, N = B * T rows.
@@ -104,7 +105,7 @@ class Batch:
 
 
 def _computing(method):
-    """Run a method in the model's precision (see Model.computing)."""
+    """Run a method inside the model's backend's set-up (see Model.computing)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with self.computing():
@@ -120,7 +121,7 @@ class Model:
         self.backend_name = backend
         self.backend = registry.usable_backend(backend)
         self.precision = self.backend.check_precision(precision or self.backend.default_precision)
-        self.ops = registry.kernels_on(backend, MODEL_OPS)
+        self.ops = registry.kernels_on(backend, MODEL_OPS, self.precision)
 
         shapes = cfg.param_shapes()
         # Matrices first: weight decay applies to the prefix [0, n_decay) of the flat buffer.
@@ -202,12 +203,15 @@ class Model:
             blocks.append(SimpleNamespace(**block))
         return blocks
 
-    def weight_set(self, flat) -> SimpleNamespace:
+    def weight_set(self, flat, precision=None) -> SimpleNamespace:
         """What the blocks' forward reads, as views of `flat` (the master weights or a bf16 copy):
         the embedding table, each block's tensors (block_weights), and the norm after each block
-        (the next block's attn_norm, the final norm after the last)."""
+        (the next block's attn_norm, the final norm after the last); and the ops that read them,
+        in `precision` (default: the model's)."""
         views, layers = self._views(flat), self.block_weights(flat)
-        return SimpleNamespace(tok_emb=views["tok_emb"], layers=layers,
+        ops = self.ops if precision in (None, self.precision) else \
+            registry.kernels_on(self.backend_name, MODEL_OPS, precision)
+        return SimpleNamespace(tok_emb=views["tok_emb"], layers=layers, ops=ops,
                                next_norms=[L.attn_norm for L in layers[1:]] + [views["norm"]])
 
     @property
@@ -222,8 +226,8 @@ class Model:
             self.backend.copy_(self.compute_flat, self.flat)
 
     def computing(self):
-        """The context every computation of this model runs in: its precision on its backend."""
-        return self.backend.computing(self.precision)
+        """The context every computation of this model runs in (its backend's set-up)."""
+        return self.backend.computing()
 
     def load_params(self, params: dict) -> None:
         """Copy `params` (name -> array with the shapes of docs/model.md) into the model."""
@@ -335,7 +339,8 @@ class Model:
         for recomputation; None: nothing), and the first norm's input and rstd. `weights`: a
         weight_set (default: the model's compute weights); on_block(i, BlockCache) runs after
         block i."""
-        f, eps, w = self.ops, self.cfg.norm_eps, weights or self.forward_weights
+        w = weights or self.forward_weights
+        f, eps = w.ops, self.cfg.norm_eps
         x, _ = f.embedding.forward(ids, w.tok_emb)
         h_attn, (rstd,) = f.rmsnorm.forward(x, w.layers[0].attn_norm, eps=eps)
         first_saved = (x, rstd)
@@ -361,7 +366,7 @@ class Model:
         """Block i from its input -> the next block's input x (N, C), its normalised copy h (the
         next block's attn_norm, or the final norm, applied), and what the block's backward needs."""
         w = weights or self.forward_weights
-        cfg, f, L = self.cfg, self.ops, w.layers[i]
+        cfg, f, L = self.cfg, w.ops, w.layers[i]
         N, H, KV, D, eps = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         # attention Euler step: x_mid = x + wo(attention(rope(q), rope(k), v)), h_attn = rmsnorm(x)
         qkv, _ = f.linear.forward(inp.h_attn, L.wqkv)

@@ -34,7 +34,7 @@ class CpuBackend(HostBackend):
             return False
 
     @contextmanager
-    def computing(self, precision):
+    def computing(self):
         _keep_freed_memory()
         if not _PINNED:
             from nanoeuler_ops.cpu.common import pin_threads

@@ -7,8 +7,6 @@ initialises the CUDA driver before `claim_device` has chosen this process's GPU.
 on the device (a GPU, or Numba's CUDA simulator: docs/cuda.md) the backend asks `device.DEVICE`.
 """
 
-from contextlib import contextmanager
-
 import numpy as np
 
 from nanoeuler_core import registry
@@ -28,9 +26,6 @@ class CudaBackend(Backend):
     multi_token_step_cheap = True   # reading the weights dominates a step: K tokens cost about what 1 does
     captures = True                 # a CUDA graph: one launch for the kernels of a step or a prefill
     peer_device = "cuda"
-
-    def __init__(self) -> None:
-        self.precision: Precision = registry.FP32   # what the kernels launched now compute in (see `computing`)
 
     def available(self) -> bool:
         try:
@@ -61,14 +56,6 @@ class CudaBackend(Backend):
             raise ValueError(f"--precision {p.name} needs tensor cores of compute capability 8.0 or newer; "
                              f"this GPU is {major}.{minor}: use --precision fp32")
         return super().check_precision(p)
-
-    @contextmanager
-    def computing(self, precision: Precision):
-        saved, self.precision = self.precision, precision
-        try:
-            yield
-        finally:
-            self.precision = saved
 
     # -------------------------------------------------------------------- arrays
 

@@ -11,6 +11,7 @@ while a CUDA graph is captured they are not checked on the host, and such a row'
 (and its gradient row zero).
 """
 
+import functools
 import math
 
 import numpy as np
@@ -25,16 +26,16 @@ from nanoeuler_ops.cuda.device import WARP, stored, to_f32, warp_max, warp_sum
 ROWS = 8   # rows (warps) per block, fewer for a chunk of fewer rows
 
 
-def forward(h, w, targets, *, chunk_rows=None, dlosses=None, into=None):
+def forward(h, w, targets, *, chunk_rows=None, dlosses=None, into=None, precision):
     # h (N, C), w (K V, C), targets (K, N) -> losses (K, N); with dlosses (K, N): (dh (N, C), dw (K V, C), None)
     runtime.check_on_host(check_targets, targets, check_shapes(h, w, targets)[2])
-    return run_chunks(h, w, targets, dlosses, into, chunk_rows, empty=runtime.empty, matmul=matmul,
-                      rows_kernel=_rows)
+    return run_chunks(h, w, targets, dlosses, into, chunk_rows, empty=runtime.empty,
+                      matmul=functools.partial(matmul, tf32=precision.tf32), rows_kernel=_rows)
 
 
-def backward(dlosses, saved, h, w, targets, *, chunk_rows=None, into=None):
+def backward(dlosses, saved, h, w, targets, *, chunk_rows=None, into=None, precision):
     # dlosses (K, N) -> dh (N, C), dw (K V, C), None; each added into `into`'s array where it has one
-    return forward(h, w, targets, chunk_rows=chunk_rows, dlosses=dlosses, into=into)[1]
+    return forward(h, w, targets, chunk_rows=chunk_rows, dlosses=dlosses, into=into, precision=precision)[1]
 
 
 def _rows(logits, targets, dlosses, losses):

@@ -1,8 +1,8 @@
 """Row-major matrix products on Numba device arrays: cuBLAS through the nvmath-python bindings,
 or a Numba shared-memory tiled kernel where the device has no cuBLAS (nvmath absent, the simulator).
 
-Operands are float32 (exact, or TF32 tensor cores while the backend computes in TF32) or bf16 storage (tensor cores, float32 accumulation); the output is float32 or bf16,
-whichever `out` is. With `accumulate`, the product is added to what `out` holds (cuBLAS's beta = 1),
+Operands are float32 (exact, or on the TF32 tensor cores with `tf32`) or bf16 storage (tensor
+cores, float32 accumulation); the output is float32 or bf16, whichever `out` is. With `accumulate`, the product is added to what `out` holds (cuBLAS's beta = 1),
 as the gradient buffers are.
 
 cuBLAS is column-major. A row-major (r, c) buffer read column-major is its transpose, so the
@@ -15,7 +15,7 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32
 
-from nanoeuler_ops.cuda import BACKEND, runtime
+from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.device import BF16, DEVICE, stored, to_f32
 
 TILE = 16            # the fallback kernel's output tile (TILE x TILE threads per block)
@@ -81,9 +81,10 @@ def _matmul_tiled(a, b, out, trans_a, trans_b, accumulate):
 CUDA_R_32F, CUDA_R_16BF = 0, 14   # cudaDataType
 
 
-def matmul(a, b, out, trans_a: bool = False, trans_b: bool = False, accumulate: bool = False) -> None:
+def matmul(a, b, out, trans_a: bool = False, trans_b: bool = False, accumulate: bool = False,
+           tf32: bool = False) -> None:
     """out (M, N) = op(a) @ op(b) (+ out, with accumulate) for contiguous row-major device arrays;
-    a and b of one storage."""
+    a and b of one storage; float32 operands rounded to TF32 on the tensor cores with `tf32`."""
     M, N = out.shape
     K = a.shape[0] if trans_a else a.shape[1]
     cublas = DEVICE.cublas_bindings()
@@ -92,8 +93,7 @@ def matmul(a, b, out, trans_a: bool = False, trans_b: bool = False, accumulate: 
         runtime.launch(_matmul_tiled, blocks, (TILE, TILE), a, b, out, trans_a, trans_b, accumulate)
         return
     low = a.dtype == BF16
-    tf32 = BACKEND.precision.tf32 and not low
-    compute = cublas.ComputeType.COMPUTE_32F_FAST_TF32 if tf32 else cublas.ComputeType.COMPUTE_32F
+    compute = cublas.ComputeType.COMPUTE_32F_FAST_TF32 if tf32 and not low else cublas.ComputeType.COMPUTE_32F
     op = {False: cublas.Operation.N, True: cublas.Operation.T}
     ab_type = CUDA_R_16BF if low else CUDA_R_32F
     out_type = CUDA_R_16BF if out.dtype == BF16 else CUDA_R_32F

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from nanoeuler_core import registry
 
 PREFILL_MIN = 16          # the shortest prefill a backend that captures runs (shorter prompts are padded)
 
@@ -50,7 +49,7 @@ class Prefill:
 
             def forward():
                 blocks = []
-                with self.be.parallel(), self.be.computing(registry.precision(weights.storage)):
+                with self.be.parallel(), self.be.computing():
                     self.model.run_blocks(buffer, P, weights.forward,
                                           lambda i, block: blocks.append((block.k, block.v, block.out_saved[0])))
                 return [(k, v) for k, v, _ in blocks], blocks[-1][2]

@@ -27,7 +27,7 @@ class DecodeWeights:
                 model.backend.copy_(flat, model.flat)
         self.tok_emb, self.norm = model.master["tok_emb"], model.master["norm"]
         self.heads = model.stacked(flat, [f"heads.{j}" for j in range(K)])
-        self.forward = model.weight_set(flat)
+        self.forward = model.weight_set(flat, registry.precision(storage))
         self.layers = self.forward.layers
 
     def refresh(self) -> None:
