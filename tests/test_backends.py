@@ -64,7 +64,7 @@ def test_every_backend_is_held_to_the_calls_an_op_must_refuse(minimal, monkeypat
     checks = gradcheck.refusal_checks(op, ["minimal"])
     assert {c.backend for c in checks} == {"reference", "minimal"} and all(c.ok for c in checks)
     # a kernel that forgot the spec's check: NumPy broadcasts one error input and words the other its own way
-    monkeypatch.setitem(op._loaded, "minimal", Impl(lambda a, b: (a + b, ()), lambda dy, saved, a, b: (dy, dy)))
+    monkeypatch.setitem(op._loaded, ("minimal", "fp32"), Impl(lambda a, b: (a + b, ()), lambda dy, saved, a, b: (dy, dy)))
     failed = {c.sample: c.line() for c in gradcheck.refusal_checks(op, ["minimal"]) if not c.ok}
     assert set(failed) == {"2x3_vs_1x3", "2x3_vs_3x2"}
     assert failed["2x3_vs_1x3"].endswith("; got no error")
@@ -96,7 +96,7 @@ def test_contributed_kernels_fill_a_gap_but_never_replace_a_backends_own(minimal
         np.testing.assert_allclose(y, 3 * np.ones((2, 2)))
     finally:
         registry.REGISTRY._kernels["cpu"].remove("minimal_kernels")
-        registry.op("rmsnorm")._loaded.pop("minimal", None)
+        registry.op("rmsnorm")._loaded.pop(("minimal", "fp32"), None)
 
 
 class FakeEntryPoint:
