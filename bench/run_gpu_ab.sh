@@ -11,6 +11,8 @@
 #        streaming clients (SERVE_SECONDS each, 32 rows);
 # GPU 2: decoding the same model at batches 8 and 32;
 # GPU 3: the GPU tests of this tree, four groups at once (they mostly compile on the CPU).
+# On a machine of fewer GPUs, everything runs on GPU 0, one part after the other. PARTS picks parts
+# (default: "training decoding decoding_batches tests").
 # Logs: LOG_DIR/*.log, and LOG_DIR/summary.txt with the lines that carry the figures.
 set -uo pipefail
 [ $# -eq 2 ] && [ -d "$2/nanoeuler_core" ] || { echo "usage: bash bench/run_gpu_ab.sh LOG_DIR BASELINE_TREE" >&2; exit 1; }
@@ -22,6 +24,8 @@ here=$PWD
 base=$(cd "$2" && pwd)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$log_dir/gpu.txt"
 NE="python3 -m nanoeuler_core.cli"
+parts=${PARTS:-training decoding decoding_batches tests}
+if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then gpus=(0 1 2 3); else gpus=(0 0 0 0); fi
 run_dir=/tmp/nanoeuler-ab/run
 
 in_tree() {   # in_tree NAME TREE GPU LIMIT CMD...: CMD in TREE on its own packages and kernel cache, on one GPU
@@ -50,25 +54,25 @@ ab() {   # ab GPU LOG LIMIT CMD...: CMD in each tree, alternating, ROUNDS times 
 }
 
 training() {
-    ab 0 train.log 150 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 --warmup 3 --no-peers
-    in_tree here "$here" 0 240 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 \
+    ab ${gpus[0]} train.log 150 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 --warmup 3 --no-peers
+    in_tree here "$here" ${gpus[0]} 240 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 \
         --warmup 3 > "$log_dir/train_peers.log" 2>&1
 }
 
 decoding() {
-    in_tree here "$here" 1 200 $NE pretrain --preset gpu --backend cuda --steps "${GEN_STEPS:-300}" --batch-size 16 \
+    in_tree here "$here" ${gpus[1]} 200 $NE pretrain --preset gpu --backend cuda --steps "${GEN_STEPS:-300}" --batch-size 16 \
         --eval-every "${GEN_STEPS:-300}" --ckpt-every "${GEN_STEPS:-300}" --out "$run_dir" > "$log_dir/pretrain.log" 2>&1
     touch /tmp/nanoeuler-ab/trained
-    ab 1 decode_b1.log 150 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 1 \
+    ab ${gpus[1]} decode_b1.log 150 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 1 \
         --prompt-tokens 16 --new-tokens 256 --no-peers
-    ROUNDS=1 ab 1 serve.log 200 python3 bench/load_serve.py "$run_dir" --backend cuda --max-batch 32 --clients 1,16,64 \
+    ROUNDS=1 ab ${gpus[1]} serve.log 200 python3 bench/load_serve.py "$run_dir" --backend cuda --max-batch 32 --clients 1,16,64 \
         --duration "${SERVE_SECONDS:-15}" --log /tmp/nanoeuler-ab/serve_server.log
 }
 
 decoding_batches() {
-    while [ ! -f /tmp/nanoeuler-ab/trained ]; do sleep 5; done
+    while [ ! -f /tmp/nanoeuler-ab/trained ]; do sleep 5; done   # decoding() trains the model
     for rows in 8 32; do
-        ab 2 "decode_b$rows.log" 150 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size $rows \
+        ab ${gpus[2]} "decode_b$rows.log" 150 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size $rows \
             --prompt-tokens 16 --new-tokens 256 --no-peers
     done
 }
@@ -77,7 +81,7 @@ tests() {
     local groups=("-m gpu tests/test_cuda.py" "-m gpu tests/test_cuda_model.py tests/test_model.py tests/test_eval.py tests/test_interop.py"
                   "-m gpu tests/test_generate_gpu.py tests/test_generate.py tests/test_distributed.py" "tests/test_tensor_cores.py tests/test_teaching_kernels.py")
     for i in "${!groups[@]}"; do
-        CUDA_VISIBLE_DEVICES=3 timeout 480 python3 -m pytest -q -o addopts="" ${groups[$i]} -p no:cacheprovider \
+        CUDA_VISIBLE_DEVICES=${gpus[3]} timeout 480 python3 -m pytest -q -o addopts="" ${groups[$i]} -p no:cacheprovider \
             -W ignore::numba.core.errors.NumbaPerformanceWarning --durations=3 > "$log_dir/tests_$i.log" 2>&1 &
     done
     wait
@@ -85,8 +89,11 @@ tests() {
 
 rm -rf /tmp/nanoeuler-ab
 mkdir -p /tmp/nanoeuler-ab
-training & decoding & decoding_batches & tests &
-wait
-grep -h -E "^== |tokens/s|passed|failed|error|Error|clients" "$log_dir"/train*.log "$log_dir"/decode_*.log \
-    "$log_dir"/serve.log "$log_dir"/tests_*.log > "$log_dir/summary.txt" 2>&1
+if [ "${gpus[0]}" = "${gpus[3]}" ]; then
+    for part in $parts; do $part; done
+else
+    for part in $parts; do $part & done
+    wait
+fi
+grep -h -E "^== |^nanoeuler|^torch|ratio|passed|failed|rror|clients" "$log_dir"/*.log > "$log_dir/summary.txt" 2>&1
 cat "$log_dir/summary.txt"
