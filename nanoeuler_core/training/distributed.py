@@ -205,12 +205,14 @@ def fail_together():
 class Watchdog:
     """Ends this rank if the training loop makes no progress for `timeout` seconds: a rank
     waiting in a collective for one that hangs (or died under a launcher that does not stop the
-    job) would otherwise wait forever."""
+    job) would otherwise wait forever. Until the first beat the allowance is DEFAULT_TIMEOUT_S at
+    least: the first step compiles the kernels, which on a busy machine outlasts a short timeout."""
 
     def __init__(self, job: World, what: str, timeout: float | None = None):
         self.job, self.what = job, what
         self.timeout = timeout if timeout is not None else float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         self.last = time.monotonic()
+        self.beaten = False
         self.note = ""  # where things stand (the last checkpoint), for the report
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="nanoeuler-watchdog")
@@ -225,11 +227,12 @@ class Watchdog:
 
     def beat(self) -> None:
         """Progress: the countdown starts again."""
-        self.last = time.monotonic()
+        self.last, self.beaten = time.monotonic(), True
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
-            if time.monotonic() - self.last > self.timeout:
+            allowance = self.timeout if self.beaten else max(self.timeout, DEFAULT_TIMEOUT_S)
+            if time.monotonic() - self.last > allowance:
                 rank = f"rank {self.job.rank}: " if self.job.rank else ""
                 print(f"error: {rank}{self.what} made no progress for {self.timeout:.0f} s (another rank died or hangs); "
                       f"stopping{self.note}", file=sys.stderr, flush=True)
