@@ -8,7 +8,7 @@
 #        on the same model once, from this tree);
 # GPU 1: a `gpu` model trained GEN_STEPS (300) steps here, then decoding it at batch 1 (greedy, 256
 #        tokens; plain, speculative and the default policy), then `serve` under 1, 16 and 64
-#        streaming clients (SERVE_SECONDS each, 32 rows);
+#        streaming clients (SERVE_CLIENTS; SERVE_SECONDS each, 32 rows; SERVE_ROUNDS times round);
 # GPU 2: decoding the same model at batches 8 and 32;
 # GPU 3: the GPU tests of this tree, four groups at once (they mostly compile on the CPU).
 # On a machine of fewer GPUs, everything runs on GPU 0, one part after the other. PARTS picks parts
@@ -63,10 +63,15 @@ decoding() {
     in_tree here "$here" ${gpus[1]} 200 $NE pretrain --preset gpu --backend cuda --steps "${GEN_STEPS:-300}" --batch-size 16 \
         --eval-every "${GEN_STEPS:-300}" --ckpt-every "${GEN_STEPS:-300}" --out "$run_dir" > "$log_dir/pretrain.log" 2>&1
     touch /tmp/nanoeuler-ab/trained
-    ab ${gpus[1]} decode_b1.log 150 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 1 \
+    [ "${1:-}" = serving ] || ab ${gpus[1]} decode_b1.log 150 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 1 \
         --prompt-tokens 16 --new-tokens 256 --no-peers
-    ROUNDS=1 ab ${gpus[1]} serve.log 200 python3 bench/load_serve.py "$run_dir" --backend cuda --max-batch 32 --clients 1,16,64 \
+    ROUNDS=${SERVE_ROUNDS:-1} ab ${gpus[1]} serve.log 200 python3 bench/load_serve.py "$run_dir" --backend cuda --max-batch 32 \
+        --clients "${SERVE_CLIENTS:-1,16,64}" \
         --duration "${SERVE_SECONDS:-15}" --log /tmp/nanoeuler-ab/serve_server.log
+}
+
+serving() {
+    decoding serving
 }
 
 decoding_batches() {

@@ -36,7 +36,7 @@ class HostBackend(Backend):
     def asarray(self, host, storage=None):
         host = np.asarray(host)
         dtype = self.dtype if host.dtype.kind == "f" else host.dtype
-        return np.array(host, dtype=dtype, copy=True)
+        return np.array(host, dtype=dtype, order="C", copy=True)
 
     def to_host(self, arr):
         return np.asarray(arr)
