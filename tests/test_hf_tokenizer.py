@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nanoeuler_core.text.base_tokenizer import TokenizerError
 from nanoeuler_core.text.hf_tokenizer import HFTokenizer
-from nanoeuler_core.text.tokenizer import Tokenizer, TokenizerError
+from nanoeuler_core.text.tokenizer import Tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 from tokenizers import Regex, decoders, models, trainers  # noqa: E402

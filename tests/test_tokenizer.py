@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from nanoeuler_core.cli.tokenizer import app
+from nanoeuler_core.text.base_tokenizer import TokenizerError
 from nanoeuler_core.text.hf_json import BYTE_TO_CHAR
 from nanoeuler_core.text.pretokenizer import line_chunks, pretokenize
-from nanoeuler_core.text.tokenizer import Tokenizer, TokenizerError
+from nanoeuler_core.text.tokenizer import Tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import typer
 
-from nanoeuler_core.text.tokenizer import Tokenizer, TokenizerError
+from nanoeuler_core.text.base_tokenizer import TokenizerError
+from nanoeuler_core.text.hf_tokenizer import HFTokenizer
+from nanoeuler_core.text.tokenizer import Tokenizer
 
 app = typer.Typer(
     help="Train a byte-level BPE tokenizer (tokenizer.json) and encode or decode text with it.", no_args_is_help=True
@@ -20,7 +22,7 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(1)
 
 
-def _load(path: Path) -> Tokenizer:
+def _load(path: Path) -> Tokenizer | HFTokenizer:
     try:
         return Tokenizer.load(path)
     except TokenizerError as e:

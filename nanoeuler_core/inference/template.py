@@ -53,7 +53,7 @@ import jinja2.sandbox
 from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.checkpoint import CheckpointError
 from nanoeuler_core.errors import unreadable
-from nanoeuler_core.text.tokenizer import EOS
+from nanoeuler_core.text.base_tokenizer import EOS
 
 
 class TemplateError(ValueError):

@@ -47,6 +47,7 @@ from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.inference.template import ChatTemplate
 from nanoeuler_core.text.hf_json import configured_eos
+from nanoeuler_core.text.hf_tokenizer import HFTokenizer
 from nanoeuler_core.text.tokenizer import Tokenizer
 from nanoeuler_core.training.pretrain import TrainConfig
 
@@ -346,7 +347,7 @@ def import_checkpoint(hf_dir: Path, out_dir: Path, n_mtp: int | None = None, ctx
     return out_dir
 
 
-def _import_tokenizer(hf_dir: Path, config: dict) -> Tokenizer:
+def _import_tokenizer(hf_dir: Path, config: dict) -> Tokenizer | HFTokenizer:
     """tokenizer.json with its end-of-text token: tokenizer_config.json's eos_token, else config.json's eos_token_id."""
     path = hf_dir / "tokenizer.json"
     if not path.is_file():

@@ -1,5 +1,5 @@
 """Hugging Face's tokenizer.json: the byte-level alphabet, the document nanoeuler writes, and
-the files beside it (tokenizer_config.json's `eos_token`). Reading one is `hf_tokenizer`'s."""
+the files beside it (tokenizer_config.json's `eos_token`). Reading one is `Tokenizer.load`'s."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Reading a Hugging Face tokenizer.json: nanoeuler's own layout gives a `Tokenizer`; another
-byte-level BPE file (the GPT-2, Llama 3 and SmolLM2 families) an `HFTokenizer`, which encodes as
-Hugging Face `tokenizers` does. See docs/tokenizer.md."""
+"""`HFTokenizer`: a byte-level BPE tokenizer.json made elsewhere, as `Tokenizer.load` reads it.
+See docs/tokenizer.md."""
 
 from __future__ import annotations
 
@@ -13,49 +12,16 @@ import numpy as np
 import orjson
 
 from nanoeuler_core.text import bpe_kernels
-from nanoeuler_core.text.bpe import N_BYTES, split_words, word_table
+from nanoeuler_core.text.base_tokenizer import EOS, BaseTokenizer, TokenizerError
+from nanoeuler_core.text.bpe import split_words, word_table
 from nanoeuler_core.text.hf_json import BYTE_TO_CHAR, CHAR_TO_BYTE, save_eos, spelled_bytes
 from nanoeuler_core.text.hf_pretokenizer import pre_tokenizer_steps
-from nanoeuler_core.text.tokenizer import EOS, Tokenizer, TokenizerError
 
 # End-of-text tokens by their usual names, for a tokenizer.json loaded without an `eos`.
 EOS_NAMES = (EOS, "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<eos>", "<|eot_id|>")
 
 
-def read_document(document: dict, source: str, eos: str | None) -> Tokenizer:
-    """The tokenizer `document` describes: a `Tokenizer` for nanoeuler's own layout, else an
-    `HFTokenizer` with end-of-text token `eos`."""
-    own = _own_layout(document)
-    return own if own is not None else HFTokenizer(document, eos, source)
-
-
-def _own_layout(document) -> Tokenizer | None:
-    """The `Tokenizer` a document describes if it is exactly nanoeuler's layout (ids 0-255 the bytes,
-    merge r making id 256 + r, `</s>` among the special tokens at the end), else None."""
-    try:
-        model, pre_tokenizer = document["model"], document.get("pre_tokenizer") or {}
-        vocab, merges = model["vocab"], model["merges"]
-        if (model.get("type") != "BPE" or document.get("normalizer") is not None
-                or pre_tokenizer.get("type") != "ByteLevel" or not pre_tokenizer.get("use_regex", True)
-                or pre_tokenizer.get("add_prefix_space") or model.get("ignore_merges") or model.get("dropout")
-                or any(model.get(o) for o in ("continuing_subword_prefix", "end_of_word_suffix", "byte_fallback"))
-                or not all(vocab.get(BYTE_TO_CHAR[b]) == b for b in range(N_BYTES))):
-            return None
-        added = document.get("added_tokens") or []
-        if any(not t["special"] or t.get("single_word") or t.get("lstrip") or t.get("rstrip") for t in added):
-            return None
-        pairs = [merge.split(" ") if isinstance(merge, str) else merge for merge in merges]
-        specials = {t["content"]: t["id"] for t in added}
-        tokenizer = Tokenizer([(vocab[left], vocab[right]) for left, right in pairs], sorted(specials, key=specials.get))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-    own = tokenizer.to_hf_json()
-    if own["model"]["vocab"] != vocab or tokenizer.special_tokens != specials:
-        return None
-    return tokenizer
-
-
-class HFTokenizer(Tokenizer):
+class HFTokenizer(BaseTokenizer):
     """A byte-level BPE tokenizer.json made elsewhere (the GPT-2, Llama 3 and SmolLM2 families):
     its own vocabulary, merges, added tokens and pre-tokenizer, encoding exactly as Hugging Face
     `tokenizers` does with `encode(text, add_special_tokens=False)` (a post-processor's template,
