@@ -114,9 +114,9 @@ class CudaBackend(Backend):
         return runtime.stream_handle()
 
     def capture(self, fn):
-        """On a GPU, fn captured as a CUDA graph (`DEVICE.capture`); on the simulator, fn itself."""
-        from nanoeuler_ops.cuda.device import DEVICE
-        return DEVICE.capture(fn)
+        """On a GPU, fn captured as a CUDA graph (ops/cuda/graphs.py); on the simulator, fn itself."""
+        from nanoeuler_ops.cuda import graphs
+        return graphs.capture(fn)
 
     # -------------------------------------------------------------------- traits
 

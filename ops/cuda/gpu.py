@@ -1,5 +1,5 @@
 """The real GPU's host side: `DEVICE`, the object through which the CUDA layer launches kernels,
-captures CUDA graphs and copies results back on a GPU.
+builds CUDA graphs and copies results back on a GPU.
 
 ops/cuda/simulator.py has an object of the same interface for Numba's CUDA simulator, and
 ops/cuda/device.py takes the one or the other: the runtime (ops/cuda/runtime.py) and the backend
@@ -156,31 +156,14 @@ class Gpu:
                                f"(this GPU allows less): {status}")
         self._shared_limits[compiled] = shared_bytes
 
-    def capture(self, fn):
-        """Run fn() once while the arena records its buffers, then capture it as a CUDA graph over the
-        same buffers. Returns (replay, result): replay() launches the graph and returns the same
-        `result` objects, now holding the new values."""
+    def graph_builder(self):
+        """(builder, stream): a cuda.core graph builder on this process's GPU, and the stream its
+        graphs replay on (the default stream), for `graphs.capture`."""
         from cuda.core import Device
 
-        from nanoeuler_ops.cuda import cublas, runtime   # (built on this object: imported once needed)
         device = Device()
         device.set_current()
-        with runtime.ARENA.recording() as buffers:
-            result = fn()
-        builder = device.create_graph_builder()
-        if cublas.uses_cublas():
-            cublas.handle_for(int(builder.stream.handle))
-        builder.begin_building()
-        with runtime.on_stream(builder, capturing=True), runtime.ARENA.replaying():
-            fn()
-        graph = builder.end_building().complete()
-        stream = device.default_stream
-
-        def replay(buffers=buffers):  # the graph reads and writes these: keep them alive with it
-            graph.launch(stream)
-            return result
-
-        return replay, result
+        return device.create_graph_builder(), device.default_stream
 
     # -------------------------------------------------------------------- memory
 

@@ -4,7 +4,7 @@ CUDA graphs, copies back to the host) is DEVICE's, ops/cuda/device.py's choice o
 simulator.
 
 Streams and capture. Every op launches on `runtime.stream()` (the default stream unless a
-caller wraps its work in `on_stream(s)`). A CUDA graph is captured (DEVICE.capture) by running the
+caller wraps its work in `on_stream(s)`). A CUDA graph is captured (ops/cuda/graphs.py) by running the
 ops inside `on_stream(graph_builder, capturing=True)`: kernels then go to the builder, cuBLAS calls
 to its stream, and the host-side input checks that would synchronise are skipped.
 
@@ -103,7 +103,7 @@ class Arena:
     memory that a queued kernel still reads is safe. The recording is the list of (memory, shape,
     dtype) in request order, which replaying hands back; the graph thus needs little more memory
     than the eager step at its peak, instead of one buffer per temporary. (Recording takes GPU
-    memory: a GPU's DEVICE.capture records, the simulator's runs the function as it is.)
+    memory: graphs.capture records on a GPU; on the simulator it runs the function as it is.)
     """
 
     def __init__(self) -> None:
