@@ -8,7 +8,8 @@ lanes meet to exchange values (`_exchange`) where the GPU shuffles.
 
 Importing this module also changes numba-cuda 0.30.4's simulator (the version pyproject.toml pins):
 a block's threads are pooled and meet at barriers of their own (`_run_blocks_on_pooled_threads`),
-device functions are called directly (`_call_device_functions_directly`), and it takes what the
+device functions are called directly (`_call_device_functions_directly`), Numba's scalar types
+cast as NumPy's do (`_cast_scalars_directly`), and it takes what the
 kernels pass for the GPU, `alignment=` for shared arrays and `max_registers=` for kernels, both
 ignored (`_take_gpu_options`). docs/cuda.md says more.
 """
@@ -616,6 +617,26 @@ def _call_device_functions_directly() -> None:
     kernel.FakeCUDAKernel.__call__ = device_call
 
 
+def _cast_scalars_directly() -> None:
+    """Kernels cast as they would compile, `uint64(i)`, `float32(0.0)`: in Python each such call of
+    a Numba type imports, checks the argument against Numba's abstract types, then calls NumPy's
+    scalar type. Here Numba's integer and float types call NumPy's straight away (the same value)
+    when given a Python or NumPy scalar."""
+    from numba.core import types
+
+    scalars = (int, float, bool, np.generic)
+    for numba_type in (types.Integer, types.Float):
+        as_signature = numba_type.__call__
+
+        def cast(self, *args, as_signature=as_signature):
+            if len(args) == 1 and isinstance(args[0], scalars):
+                return getattr(np, self.name)(args[0])
+            return as_signature(self, *args)
+
+        numba_type.__call__ = cast
+
+
 _take_gpu_options()
 _run_blocks_on_pooled_threads()
 _call_device_functions_directly()
+_cast_scalars_directly()
