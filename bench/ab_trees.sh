@@ -26,6 +26,7 @@ done
 if [ $# -gt 0 ]; then command=("$@"); else command=(python3 bench/decode_step.py --rows 1 --replay-only); fi
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
+source bench/in_tree.sh
 mkdir -p "$log_dir"
 log_dir=$(cd "$log_dir" && pwd)
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log_dir/gpu.txt"
@@ -38,14 +39,7 @@ name_of() {   # a tree's name in logs and caches: its directory's name (this tre
 }
 
 run_tree() {   # run_tree TREE LIMIT: COMMAND in TREE on its packages and kernel cache, within LIMIT seconds
-    local tree=$1 limit=$2 name
-    name=$(name_of "$tree")
-    mkdir -p "/tmp/ab-trees/$name"
-    ln -sfn "$tree/nanoeuler_core" "/tmp/ab-trees/$name/nanoeuler_core"
-    ln -sfn "$tree/ops" "/tmp/ab-trees/$name/nanoeuler_ops"
-    ln -sfn "$tree/data" "/tmp/ab-trees/$name/nanoeuler_data"
-    (cd "$tree" && PYTHONPATH="/tmp/ab-trees/$name" NUMBA_CACHE_DIR="/tmp/ab-trees/$name.cache" \
-        timeout "$limit" "${command[@]}")
+    in_tree "$(name_of "$1")" "$1" "$2" "${command[@]}"
 }
 
 for tree in "${trees[@]}"; do

@@ -18,6 +18,7 @@ set -uo pipefail
 [ $# -eq 2 ] && [ -d "$2/nanoeuler_core" ] || { echo "usage: bash bench/run_gpu_ab.sh LOG_DIR BASELINE_TREE" >&2; exit 1; }
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh || exit 1
+source bench/in_tree.sh
 mkdir -p "$1"
 log_dir=$(cd "$1" && pwd)
 here=$PWD
@@ -28,16 +29,10 @@ parts=${PARTS:-training decoding decoding_batches tests}
 if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then gpus=(0 1 2 3); else gpus=(0 0 0 0); fi
 run_dir=/tmp/nanoeuler-ab/run
 
-in_tree() {   # in_tree NAME TREE GPU LIMIT CMD...: CMD in TREE on its own packages and kernel cache, on one GPU
+on_gpu() {   # on_gpu NAME TREE GPU LIMIT CMD...: in_tree (bench/in_tree.sh) on one GPU, warnings left out
     local name=$1 tree=$2 gpu=$3 limit=$4
     shift 4
-    mkdir -p "/tmp/nanoeuler-ab/$name"
-    ln -sfn "$tree/nanoeuler_core" "/tmp/nanoeuler-ab/$name/nanoeuler_core"
-    ln -sfn "$tree/ops" "/tmp/nanoeuler-ab/$name/nanoeuler_ops"
-    ln -sfn "$tree/data" "/tmp/nanoeuler-ab/$name/nanoeuler_data"
-    (cd "$tree" && CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH="/tmp/nanoeuler-ab/$name" \
-        NUMBA_CACHE_DIR="/tmp/nanoeuler-ab/$name.cache.$gpu" timeout "$limit" "$@" 2>&1 \
-        | grep -v -E "NumbaPerformanceWarning|warn\(")
+    CUDA_VISIBLE_DEVICES=$gpu in_tree "$name" "$tree" "$limit" "$@" 2>&1 | grep -v -E "NumbaPerformanceWarning|warn\("
 }
 
 ab() {   # ab GPU LOG LIMIT CMD...: CMD in each tree, alternating, ROUNDS times round (the benchmarks warm up
@@ -48,19 +43,19 @@ ab() {   # ab GPU LOG LIMIT CMD...: CMD in each tree, alternating, ROUNDS times 
         for name in base here; do
             tree=$here; [ $name = base ] && tree=$base
             echo "== $name, round $round: $*"
-            in_tree $name "$tree" "$gpu" "$limit" "$@"
+            on_gpu $name "$tree" "$gpu" "$limit" "$@"
         done
     done > "$log_dir/$log" 2>&1
 }
 
 training() {
     ab ${gpus[0]} train.log 150 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 --warmup 3 --no-peers
-    in_tree here "$here" ${gpus[0]} 240 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 \
+    on_gpu here "$here" ${gpus[0]} 240 $NE bench --preset gpu --backend cuda --batch-size 32 --precision bf16 --steps 20 \
         --warmup 3 > "$log_dir/train_peers.log" 2>&1
 }
 
 decoding() {
-    in_tree here "$here" ${gpus[1]} 200 $NE pretrain --preset gpu --backend cuda --steps "${GEN_STEPS:-300}" --batch-size 16 \
+    on_gpu here "$here" ${gpus[1]} 200 $NE pretrain --preset gpu --backend cuda --steps "${GEN_STEPS:-300}" --batch-size 16 \
         --eval-every "${GEN_STEPS:-300}" --ckpt-every "${GEN_STEPS:-300}" --out "$run_dir" > "$log_dir/pretrain.log" 2>&1
     touch /tmp/nanoeuler-ab/trained
     [ "${1:-}" = serving ] || ab ${gpus[1]} decode_b1.log 150 $NE bench --generate --preset gpu --backend cuda --run "$run_dir" --batch-size 1 \
@@ -92,7 +87,7 @@ tests() {
     wait
 }
 
-rm -rf /tmp/nanoeuler-ab
+rm -rf /tmp/nanoeuler-ab /tmp/nanoeuler-trees
 mkdir -p /tmp/nanoeuler-ab
 if [ "${gpus[0]}" = "${gpus[3]}" ]; then
     for part in $parts; do $part; done
