@@ -624,13 +624,15 @@ def _cast_scalars_directly() -> None:
     when given a Python or NumPy scalar."""
     from numba.core import types
 
-    scalars = (int, float, bool, np.generic)
+    numpy_types = {name: getattr(np, name) for name in ("int8", "int16", "int32", "int64", "uint8", "uint16",
+                                                        "uint32", "uint64", "float16", "float32", "float64")}
+    scalars = {int, float, bool, *numpy_types.values()}
     for numba_type in (types.Integer, types.Float):
         as_signature = numba_type.__call__
 
         def cast(self, *args, as_signature=as_signature):
-            if len(args) == 1 and isinstance(args[0], scalars):
-                return getattr(np, self.name)(args[0])
+            if len(args) == 1 and type(args[0]) in scalars:
+                return numpy_types[self.name](args[0])
             return as_signature(self, *args)
 
         numba_type.__call__ = cast
