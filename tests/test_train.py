@@ -2,6 +2,7 @@
 and one-line errors for bad input."""
 
 import errno
+import functools
 import os
 import signal
 import subprocess
@@ -57,6 +58,25 @@ def test_lr_schedule():
     assert lr_at(55, 1.0, 10, 100) == pytest.approx(0.55)
     assert lr_at(100, 1.0, 10, 100) == pytest.approx(0.1)
     assert lr_at(500, 1.0, 10, 100) == pytest.approx(0.1)
+
+
+def test_wsd_schedule_holds_the_peak_then_decays_linearly():
+    # 10 warm-up steps of 110: of the 100 after them, the last 20 decay
+    wsd = functools.partial(lr_at, peak=1.0, warmup=10, total=110, schedule="wsd")
+    assert [wsd(s) for s in (5, 10, 50, 90)] == pytest.approx([0.5, 1.0, 1.0, 1.0])
+    assert [wsd(s) for s in (100, 110, 500)] == pytest.approx([0.55, 0.1, 0.1])
+
+
+def test_a_run_follows_its_schedule_and_keeps_it_on_resume(corpus_and_tokenizer, tmp_path):
+    run = train.start_run(tmp_path / "run", config(corpus_and_tokenizer, steps=4, schedule="wsd"), quiet)
+    train.train(run, quiet)
+    resumed = train.resume_run(tmp_path / "run", {"steps": 6}, quiet)
+    assert resumed.config.schedule == "wsd"
+    train.train(resumed, quiet)
+    rows = [orjson.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_bytes().splitlines()]
+    tc = resumed.config
+    assert [r["lr"] for r in rows] == pytest.approx([lr_at(r["step"], tc.lr, tc.warmup, tc.decay_steps,
+                                                           tc.final_lr_ratio, "wsd") for r in rows])
 
 
 def test_training_lowers_the_loss_and_writes_the_run(corpus_and_tokenizer, tmp_path):
@@ -195,6 +215,7 @@ def test_bad_input_is_one_clear_line(corpus_and_tokenizer, tmp_path):
     cases = [
         (("pretrain", "--resume", tmp_path / "missing"), "does not exist"),
         (("pretrain", "--preset", "huge", "--out", tmp_path / "a"), "unknown preset 'huge'"),
+        (("pretrain", "--schedule", "linear", "--out", tmp_path / "s"), "--schedule must be one of cosine, wsd"),
         (("pretrain", "--corpus", short, "--tokenizer", tokenizer, "--out", tmp_path / "b"), "fewer than one context window"),
         (("pretrain", "--corpus", tmp_path / "nope.txt", "--out", tmp_path / "c"), "not found"),
         (("generate", tmp_path / "missing", "It was"), "does not exist"),

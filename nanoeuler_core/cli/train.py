@@ -44,7 +44,9 @@ def pretrain(
                                                   "a checkpoint resumes with or without it"),
     lr: Optional[float] = typer.Option(None, help="peak learning rate (default: 1e-3 small, 3e-4 otherwise)"),
     warmup: Optional[int] = typer.Option(None, help="warm-up steps (default: 5% of --decay-steps)"),
-    decay_steps: Optional[int] = typer.Option(None, help="cosine decay horizon (default: --steps)"),
+    decay_steps: Optional[int] = typer.Option(None, help="the schedule's horizon (default: --steps)"),
+    schedule: str = typer.Option("cosine", help="cosine, or wsd: warmup-stable-decay (the peak held, then a "
+                                                "linear decay over the last 20% of the steps after warm-up)"),
     seed: int = typer.Option(DEFAULT["seed"], help="seed of the initial weights and the batches"),
     eval_every: int = typer.Option(DEFAULT["eval_every"], help="validation loss every N steps"),
     ckpt_every: int = typer.Option(DEFAULT["ckpt_every"], help="checkpoint every N steps (and at the end, and on Ctrl-C)"),
@@ -83,7 +85,8 @@ def pretrain(
                                           tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
                                           batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
                                           zero=zero or 0,
-                                          lr=lr, warmup=warmup, decay_steps=decay_steps, seed=seed, eval_every=eval_every,
+                                          lr=lr, warmup=warmup, decay_steps=decay_steps, schedule=schedule, seed=seed,
+                                          eval_every=eval_every,
                                           ckpt_every=ckpt_every, precision=precision, eager=eager,
                                           recompute=bool(recompute), **hellaswag_settings)
                 if tc.eval_hellaswag_every:

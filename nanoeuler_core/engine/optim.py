@@ -27,11 +27,20 @@ from nanoeuler_core import registry
 from nanoeuler_core.collectives import Collectives, shard
 
 
-def lr_at(step: int, peak: float, warmup: int, total: int, final_ratio: float = 0.1) -> float:
-    """Linear warm-up over `warmup` steps, then cosine decay to `final_ratio * peak` at `total` (1-based step)."""
+SCHEDULES = ("cosine", "wsd")
+WSD_DECAY_FRACTION = 0.2   # warmup-stable-decay: the share of the steps after warm-up spent decaying
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int, final_ratio: float = 0.1, schedule: str = "cosine") -> float:
+    """Linear warm-up over `warmup` steps, then down to `final_ratio * peak` at `total` (1-based step):
+    "cosine" decays along a half cosine from the warm-up on; "wsd" (warmup-stable-decay) holds the
+    peak, then decays linearly over the last WSD_DECAY_FRACTION of the steps after warm-up."""
     if step <= warmup:
         return peak * step / max(1, warmup)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "wsd":
+        decayed = max(0.0, progress - (1 - WSD_DECAY_FRACTION)) / WSD_DECAY_FRACTION
+        return peak * (1 - (1 - final_ratio) * decayed)
     return peak * (final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 

@@ -31,7 +31,7 @@ from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.checkpoint import CheckpointError
 from nanoeuler_core.engine.config import PRESETS, ModelConfig
 from nanoeuler_core.corpus.tokens import BatchLoader, check_length, default_corpus, load_tokens
-from nanoeuler_core.engine.optim import AdamW, lr_at
+from nanoeuler_core.engine.optim import SCHEDULES, AdamW, lr_at
 from nanoeuler_core.errors import unreadable
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.engine.model import Model
@@ -50,7 +50,8 @@ class TrainConfig:
     batch_size: int = 8
     lr: float | None = None             # default: 1e-3 for `small`, 3e-4 otherwise (docs/training.md)
     warmup: int | None = None           # default: 5% of decay_steps
-    decay_steps: int | None = None      # cosine horizon; default: steps
+    decay_steps: int | None = None      # the schedule's horizon; default: steps
+    schedule: str = "cosine"            # or "wsd": warmup-stable-decay (engine/optim.py lr_at)
     final_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -85,6 +86,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every", "decay_steps", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got '{self.schedule}'")
         if self.zero not in (0, 1):
             raise ValueError(f"--zero must be 0 (off) or 1 (sharded optimizer state), got {self.zero}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -391,7 +394,7 @@ def train(run: Run, log: Callable[[str], None] = print,
         while opt.step_count < tc.steps and not book.interrupted:
             step = opt.step_count + 1
             t0 = time.perf_counter()
-            lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)
+            lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio, tc.schedule)
             parts = range(job.rank * tc.grad_accum, (job.rank + 1) * tc.grad_accum)
             loss, grad_norm = train_step.micro_batches([run.train_loader.batch(step, p) for p in parts], lr)
             if not math.isfinite(loss):
