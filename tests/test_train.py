@@ -67,6 +67,19 @@ def test_wsd_schedule_holds_the_peak_then_decays_linearly():
     assert [wsd(s) for s in (100, 110, 500)] == pytest.approx([0.55, 0.1, 0.1])
 
 
+def test_target_loss_stops_at_the_first_evaluation_that_reaches_it(corpus_and_tokenizer, tmp_path):
+    said = []
+    run = train.start_run(tmp_path / "run", config(corpus_and_tokenizer, steps=12, eval_every=3, ckpt_every=100,
+                                                   target_loss=50.0), quiet)
+    row, interrupted = train.train(run, said.append)
+    assert row["step"] == 3 and row["val_loss"] <= 50.0 and not interrupted
+    assert any(line.startswith("reached held-out loss") and "at step 3" in line for line in said), said
+    assert train.resume_run(tmp_path / "run", {}, quiet).optimizer.step_count == 3   # checkpointed there
+    unreachable = train.start_run(tmp_path / "far", config(corpus_and_tokenizer, steps=6, eval_every=3,
+                                                           target_loss=1e-3), quiet)
+    assert train.train(unreachable, quiet)[0]["step"] == 6
+
+
 def test_a_run_follows_its_schedule_and_keeps_it_on_resume(corpus_and_tokenizer, tmp_path):
     run = train.start_run(tmp_path / "run", config(corpus_and_tokenizer, steps=4, schedule="wsd"), quiet)
     train.train(run, quiet)
@@ -216,6 +229,7 @@ def test_bad_input_is_one_clear_line(corpus_and_tokenizer, tmp_path):
         (("pretrain", "--resume", tmp_path / "missing"), "does not exist"),
         (("pretrain", "--preset", "huge", "--out", tmp_path / "a"), "unknown preset 'huge'"),
         (("pretrain", "--schedule", "linear", "--out", tmp_path / "s"), "--schedule must be one of cosine, wsd"),
+        (("pretrain", "--target-loss", "-1", "--out", tmp_path / "t"), "--target-loss must be a positive number"),
         (("pretrain", "--corpus", short, "--tokenizer", tokenizer, "--out", tmp_path / "b"), "fewer than one context window"),
         (("pretrain", "--corpus", tmp_path / "nope.txt", "--out", tmp_path / "c"), "not found"),
         (("generate", tmp_path / "missing", "It was"), "does not exist"),

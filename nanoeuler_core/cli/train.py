@@ -47,6 +47,8 @@ def pretrain(
     decay_steps: Optional[int] = typer.Option(None, help="the schedule's horizon (default: --steps)"),
     schedule: str = typer.Option("cosine", help="cosine, or wsd: warmup-stable-decay (the peak held, then a "
                                                 "linear decay over the last 20% of the steps after warm-up)"),
+    target_loss: Optional[float] = typer.Option(None, help="stop once the held-out loss (checked every --eval-every "
+                                                           "steps) reaches this, with a checkpoint, and print the time"),
     seed: int = typer.Option(DEFAULT["seed"], help="seed of the initial weights and the batches"),
     eval_every: int = typer.Option(DEFAULT["eval_every"], help="validation loss every N steps"),
     ckpt_every: int = typer.Option(DEFAULT["ckpt_every"], help="checkpoint every N steps (and at the end, and on Ctrl-C)"),
@@ -78,14 +80,15 @@ def pretrain(
             if resume is not None:
                 overrides = ({"precision": precision, "eager": eager}
                              | {k: v for k, v in (("backend", backend), ("steps", steps), ("grad_accum", grad_accum),
-                                                  ("zero", zero), ("recompute", recompute)) if v is not None})
+                                                  ("zero", zero), ("recompute", recompute),
+                                                  ("target_loss", target_loss)) if v is not None})
                 run = training.resume_run(resume, overrides | hellaswag_settings, log)
             else:
                 tc = training.TrainConfig(preset=preset, backend=backend or "cpu", corpus=str(corpus) if corpus else None,
                                           tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
                                           batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
                                           zero=zero or 0,
-                                          lr=lr, warmup=warmup, decay_steps=decay_steps, schedule=schedule, seed=seed,
+                                          lr=lr, warmup=warmup, decay_steps=decay_steps, schedule=schedule, target_loss=target_loss, seed=seed,
                                           eval_every=eval_every,
                                           ckpt_every=ckpt_every, precision=precision, eager=eager,
                                           recompute=bool(recompute), **hellaswag_settings)

@@ -52,6 +52,7 @@ class TrainConfig:
     warmup: int | None = None           # default: 5% of decay_steps
     decay_steps: int | None = None      # the schedule's horizon; default: steps
     schedule: str = "cosine"            # or "wsd": warmup-stable-decay (engine/optim.py lr_at)
+    target_loss: float | None = None    # stop (with a checkpoint) once the held-out loss reaches it
     final_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -88,6 +89,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got '{self.schedule}'")
+        if self.target_loss is not None and not (self.target_loss > 0 and math.isfinite(self.target_loss)):
+            raise ValueError(f"--target-loss must be a positive number, got {self.target_loss}")
         if self.zero not in (0, 1):
             raise ValueError(f"--zero must be 0 (off) or 1 (sharded optimizer state), got {self.zero}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -360,15 +363,16 @@ class Bookkeeping:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
-    def end_step(self, step: int, row: dict, progress: str) -> None:
-        """Log step `step`'s metrics `row` and `progress` line, checkpoint if due; sets `interrupted`."""
+    def end_step(self, step: int, row: dict, progress: str, last: bool = False) -> None:
+        """Log step `step`'s metrics `row` and `progress` line, checkpoint if due (or `last`); sets
+        `interrupted`."""
         self.interrupted = self.job.any(self.ctrl_c.requested)
         if self.job.rank == 0:
             self._metrics.write(orjson.dumps(row) + b"\n")
             self._metrics.flush()
             self.progress.update(step, progress)
         tc = self.run.config
-        if step % tc.ckpt_every == 0 or step == tc.steps or self.interrupted:
+        if step % tc.ckpt_every == 0 or step == tc.steps or self.interrupted or last:
             save_checkpoint(self.run)
             self.watchdog.note = f"; the checkpoint of step {step} in {self.run.dir} is intact"
         self.watchdog.beat()
@@ -390,8 +394,9 @@ def train(run: Run, log: Callable[[str], None] = print,
     row: dict = {}
     val_loss = val_next = float("nan")
     start, first_step = time.perf_counter(), opt.step_count
+    reached = False   # the held-out loss is at tc.target_loss or below
     with Bookkeeping(run, "training") as book:
-        while opt.step_count < tc.steps and not book.interrupted:
+        while opt.step_count < tc.steps and not book.interrupted and not reached:
             step = opt.step_count + 1
             t0 = time.perf_counter()
             lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio, tc.schedule)
@@ -406,13 +411,18 @@ def train(run: Run, log: Callable[[str], None] = print,
             if step % tc.eval_every == 0 or step == tc.steps:
                 val_loss, val_next = evaluate(run)
                 row["val_loss"], row["val_next_token_loss"] = round(val_loss, 5), round(val_next, 5)
+                reached = tc.target_loss is not None and val_loss <= tc.target_loss
             for every, extra_metrics in extra_evals:
                 if step % every == 0 or step == tc.steps:
                     row |= extra_metrics(model)
             rate = (time.perf_counter() - start) / (step - first_step)
             val = f" | val {val_loss:.3f} (next token {val_next:.3f})" if math.isfinite(val_loss) else ""
             book.end_step(step, row, f"step {step}/{tc.steps} | loss {loss:.3f}{val} | "
-                                     f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(rate * (tc.steps - step))} left")
+                                     f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(rate * (tc.steps - step))} left",
+                         last=reached)
+    if reached:
+        log(f"reached held-out loss {val_loss:.4f} (target {tc.target_loss}) at step {opt.step_count}, after "
+            f"{row['time']:.1f} s of training and {opt.step_count * tokens_per_step:,} tokens")
     if book.interrupted:
         log(f"interrupted: checkpoint at step {opt.step_count} saved in {run.dir}; continue with --resume {run.dir}")
     return row, book.interrupted
