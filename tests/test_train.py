@@ -80,6 +80,20 @@ def test_target_loss_stops_at_the_first_evaluation_that_reaches_it(corpus_and_to
     assert train.train(unreachable, quiet)[0]["step"] == 6
 
 
+def test_time_budget_lays_the_schedule_over_it_and_ends_with_an_evaluation(corpus_and_tokenizer, tmp_path):
+    said = []
+    run = train.start_run(tmp_path / "run", config(corpus_and_tokenizer, steps=10**9, eval_every=10**6,
+                                                   ckpt_every=10**6, time_budget=0.05), quiet)
+    row, interrupted = train.train(run, said.append)
+    rows = [orjson.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_bytes().splitlines()]
+    assert not interrupted and row["time"] >= 3.0 and "val_loss" in row and rows[-1] == row
+    assert any(line.startswith("time budget of 0.05 min spent at step") for line in said), said
+    lrs = [r["lr"] for r in rows]
+    peak = lrs.index(max(lrs))
+    assert lrs[peak:] == sorted(lrs[peak:], reverse=True) and lrs[-1] < 0.2 * run.config.lr   # the decay ends with it
+    assert train.resume_run(tmp_path / "run", {}, quiet).optimizer.step_count == row["step"]   # checkpointed there
+
+
 def test_a_run_follows_its_schedule_and_keeps_it_on_resume(corpus_and_tokenizer, tmp_path):
     run = train.start_run(tmp_path / "run", config(corpus_and_tokenizer, steps=4, schedule="wsd"), quiet)
     train.train(run, quiet)
@@ -230,6 +244,7 @@ def test_bad_input_is_one_clear_line(corpus_and_tokenizer, tmp_path):
         (("pretrain", "--preset", "huge", "--out", tmp_path / "a"), "unknown preset 'huge'"),
         (("pretrain", "--schedule", "linear", "--out", tmp_path / "s"), "--schedule must be one of cosine, wsd"),
         (("pretrain", "--target-loss", "-1", "--out", tmp_path / "t"), "--target-loss must be a positive number"),
+        (("pretrain", "--time-budget", "0", "--out", tmp_path / "u"), "--time-budget must be a positive number"),
         (("pretrain", "--corpus", short, "--tokenizer", tokenizer, "--out", tmp_path / "b"), "fewer than one context window"),
         (("pretrain", "--corpus", tmp_path / "nope.txt", "--out", tmp_path / "c"), "not found"),
         (("generate", tmp_path / "missing", "It was"), "does not exist"),

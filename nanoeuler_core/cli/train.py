@@ -22,6 +22,7 @@ from nanoeuler_core.training import distributed
 from nanoeuler_core.training import pretrain as training
 
 DEFAULT = {f.name: f.default for f in fields(training.TrainConfig)}
+NO_STEP_LIMIT = 10**12   # --time-budget without --steps: the budget alone ends the run
 PRECISION_HELP = "fp32, tf32 or bf16 (default: bf16 on a CUDA GPU with tensor cores, fp32 on the CPU)"
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40   # the sample printed at the end of a run
 RECOMPUTE_HELP = ("activation recomputation (llm.c's -r): keep only each block's input and run its forward again "
@@ -49,6 +50,9 @@ def pretrain(
                                                 "linear decay over the last 20% of the steps after warm-up)"),
     target_loss: Optional[float] = typer.Option(None, help="stop once the held-out loss (checked every --eval-every "
                                                            "steps) reaches this, with a checkpoint, and print the time"),
+    time_budget: Optional[float] = typer.Option(None, help="train for this many minutes (no --steps limit unless "
+                                                           "given): the schedule is laid over them, its decay ending "
+                                                           "with them, then a last evaluation and checkpoint"),
     seed: int = typer.Option(DEFAULT["seed"], help="seed of the initial weights and the batches"),
     eval_every: int = typer.Option(DEFAULT["eval_every"], help="validation loss every N steps"),
     ckpt_every: int = typer.Option(DEFAULT["ckpt_every"], help="checkpoint every N steps (and at the end, and on Ctrl-C)"),
@@ -81,14 +85,14 @@ def pretrain(
                 overrides = ({"precision": precision, "eager": eager}
                              | {k: v for k, v in (("backend", backend), ("steps", steps), ("grad_accum", grad_accum),
                                                   ("zero", zero), ("recompute", recompute),
-                                                  ("target_loss", target_loss)) if v is not None})
+                                                  ("target_loss", target_loss), ("time_budget", time_budget)) if v is not None})
                 run = training.resume_run(resume, overrides | hellaswag_settings, log)
             else:
                 tc = training.TrainConfig(preset=preset, backend=backend or "cpu", corpus=str(corpus) if corpus else None,
-                                          tokenizer=str(tokenizer) if tokenizer else None, steps=steps or DEFAULT["steps"],
+                                          tokenizer=str(tokenizer) if tokenizer else None, steps=steps or (NO_STEP_LIMIT if time_budget else DEFAULT["steps"]),
                                           batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
                                           zero=zero or 0,
-                                          lr=lr, warmup=warmup, decay_steps=decay_steps, schedule=schedule, target_loss=target_loss, seed=seed,
+                                          lr=lr, warmup=warmup, decay_steps=decay_steps, schedule=schedule, target_loss=target_loss, time_budget=time_budget, seed=seed,
                                           eval_every=eval_every,
                                           ckpt_every=ckpt_every, precision=precision, eager=eager,
                                           recompute=bool(recompute), **hellaswag_settings)
@@ -146,7 +150,9 @@ def log_run(run, log) -> None:
                   f"{ranks} rank{'s' if ranks > 1 else ''}{' (AdamW state sharded)' if run.optimizer.zero else ''}: "
                   f"{training.rows_per_step(tc)} sequences per step")
     log(f"run {run.dir}: {cfg.n_params():,} parameters ({tc.preset}), backend {tc.backend} ({tc.precision}), {shape}, "
-        f"steps {run.optimizer.step_count} -> {tc.steps}" + (", activations recomputed" if tc.recompute else ""))
+        f"steps {run.optimizer.step_count} -> " + (f"{tc.steps}" if tc.time_budget is None else
+                                                   f"what {tc.time_budget:g} min of training allow")
+        + (", activations recomputed" if tc.recompute else ""))
 
 
 def hellaswag_path(tc: training.TrainConfig) -> Path:

@@ -53,6 +53,7 @@ class TrainConfig:
     decay_steps: int | None = None      # the schedule's horizon; default: steps
     schedule: str = "cosine"            # or "wsd": warmup-stable-decay (engine/optim.py lr_at)
     target_loss: float | None = None    # stop (with a checkpoint) once the held-out loss reaches it
+    time_budget: float | None = None    # minutes of training: the schedule laid over them, ending with them
     final_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -89,6 +90,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got '{self.schedule}'")
+        if self.time_budget is not None and not (self.time_budget > 0 and math.isfinite(self.time_budget)):
+            raise ValueError(f"--time-budget must be a positive number of minutes, got {self.time_budget}")
         if self.target_loss is not None and not (self.target_loss > 0 and math.isfinite(self.target_loss)):
             raise ValueError(f"--target-loss must be a positive number, got {self.target_loss}")
         if self.zero not in (0, 1):
@@ -348,7 +351,9 @@ class Bookkeeping:
     def __init__(self, run: Run, what: str):
         self.run, self.job = run, distributed.world()
         self.ctrl_c, self.watchdog = CtrlC(), distributed.Watchdog(self.job, what)
-        self.progress = Progress(run.config.steps)
+        # a line every 5% of the steps, or with a time budget (steps unknown) every evaluation
+        tc = run.config
+        self.progress = Progress(tc.steps if tc.time_budget is None else 20 * tc.eval_every)
         self.interrupted = False
         self._stack = contextlib.ExitStack()
 
@@ -394,12 +399,17 @@ def train(run: Run, log: Callable[[str], None] = print,
     row: dict = {}
     val_loss = val_next = float("nan")
     start, first_step = time.perf_counter(), opt.step_count
-    reached = False   # the held-out loss is at tc.target_loss or below
+    reached = spent = False   # the held-out loss is at tc.target_loss or below; the time budget is used up
+    budget_ms = None if tc.time_budget is None else round(tc.time_budget * 60_000)
     with Bookkeeping(run, "training") as book:
-        while opt.step_count < tc.steps and not book.interrupted and not reached:
+        while opt.step_count < tc.steps and not (book.interrupted or reached or spent):
             step = opt.step_count + 1
             t0 = time.perf_counter()
-            lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio, tc.schedule)
+            if budget_ms is None:
+                lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio, tc.schedule)
+            else:   # the schedule over the budget's milliseconds, warm-up its first 5%, at this step's start
+                ms = round(1000 * (run.elapsed + t0 - start)) + 1
+                lr = lr_at(ms, tc.lr, max(1, budget_ms // 20), budget_ms, tc.final_lr_ratio, tc.schedule)
             parts = range(job.rank * tc.grad_accum, (job.rank + 1) * tc.grad_accum)
             loss, grad_norm = train_step.micro_batches([run.train_loader.batch(step, p) for p in parts], lr)
             if not math.isfinite(loss):
@@ -408,7 +418,8 @@ def train(run: Run, log: Callable[[str], None] = print,
             row = {"step": step, "loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
                    "tokens_per_s": round(tokens_per_step / dt, 1),
                    "time": round(run.elapsed + time.perf_counter() - start, 3)}
-            if step % tc.eval_every == 0 or step == tc.steps:
+            spent = budget_ms is not None and 1000 * row["time"] >= budget_ms
+            if step % tc.eval_every == 0 or step == tc.steps or spent:
                 val_loss, val_next = evaluate(run)
                 row["val_loss"], row["val_next_token_loss"] = round(val_loss, 5), round(val_next, 5)
                 reached = tc.target_loss is not None and val_loss <= tc.target_loss
@@ -417,9 +428,13 @@ def train(run: Run, log: Callable[[str], None] = print,
                     row |= extra_metrics(model)
             rate = (time.perf_counter() - start) / (step - first_step)
             val = f" | val {val_loss:.3f} (next token {val_next:.3f})" if math.isfinite(val_loss) else ""
-            book.end_step(step, row, f"step {step}/{tc.steps} | loss {loss:.3f}{val} | "
-                                     f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(rate * (tc.steps - step))} left",
-                         last=reached)
+            left = rate * (tc.steps - step) if budget_ms is None else max(0.0, budget_ms / 1000 - row["time"])
+            book.end_step(step, row, f"step {step}{'' if budget_ms else f'/{tc.steps}'} | loss {loss:.3f}{val} | "
+                                     f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(left)} left",
+                         last=reached or spent)
+    if spent and not reached:
+        log(f"time budget of {tc.time_budget:g} min spent at step {opt.step_count}, after "
+            f"{opt.step_count * tokens_per_step:,} tokens; held-out loss {val_loss:.4f}")
     if reached:
         log(f"reached held-out loss {val_loss:.4f} (target {tc.target_loss}) at step {opt.step_count}, after "
             f"{row['time']:.1f} s of training and {opt.step_count * tokens_per_step:,} tokens")
