@@ -298,6 +298,17 @@ def test_dpo_two_ranks_equal_one_process_accumulating(tmp_path, tok):
     assert_same_run(tmp_path / "ranks", tmp_path / "accum")
 
 
+@needs_mpi
+def test_ranks_spend_a_time_budget_together(corpus_and_tokenizer, tmp_path):
+    """Each rank's clock runs on its own: the learning rate follows rank 0's, and every rank stops
+    after the same step (a rank that went on alone would wait in its all-reduce)."""
+    args = pretrain_args(corpus_and_tokenizer, tmp_path / "run", "--time-budget", 0.05, steps=10**6)
+    out = checked(run(args, ranks=2))
+    assert (out.stdout + out.stderr).count("time budget of 0.05 min spent at step") == 1, out.stderr
+    rows = [orjson.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_bytes().splitlines()]
+    assert rows[-1]["time"] >= 3.0 and "val_loss" in rows[-1]
+
+
 def rank_pids(launcher_pid: int) -> dict[int, int]:
     """rank -> pid of the processes mpiexec started, found through /proc (PMI_RANK in their environment)."""
     found, todo = {}, [launcher_pid]

@@ -408,7 +408,7 @@ def train(run: Run, log: Callable[[str], None] = print,
             if budget_ms is None:
                 lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio, tc.schedule)
             else:   # the schedule over the budget's milliseconds, warm-up its first 5%, at this step's start
-                ms = round(1000 * (run.elapsed + t0 - start)) + 1
+                ms = job.allgather(round(1000 * (run.elapsed + t0 - start)) + 1)[0]   # rank 0's clock for all
                 lr = lr_at(ms, tc.lr, max(1, budget_ms // 20), budget_ms, tc.final_lr_ratio, tc.schedule)
             parts = range(job.rank * tc.grad_accum, (job.rank + 1) * tc.grad_accum)
             loss, grad_norm = train_step.micro_batches([run.train_loader.batch(step, p) for p in parts], lr)
@@ -418,7 +418,7 @@ def train(run: Run, log: Callable[[str], None] = print,
             row = {"step": step, "loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
                    "tokens_per_s": round(tokens_per_step / dt, 1),
                    "time": round(run.elapsed + time.perf_counter() - start, 3)}
-            spent = budget_ms is not None and 1000 * row["time"] >= budget_ms
+            spent = budget_ms is not None and job.any(1000 * row["time"] >= budget_ms)   # every rank stops together
             if step % tc.eval_every == 0 or step == tc.steps or spent:
                 val_loss, val_next = evaluate(run)
                 row["val_loss"], row["val_next_token_loss"] = round(val_loss, 5), round(val_next, 5)
