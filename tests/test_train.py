@@ -91,7 +91,9 @@ def test_time_budget_lays_the_schedule_over_it_and_ends_with_an_evaluation(corpu
     lrs = [r["lr"] for r in rows]
     peak = lrs.index(max(lrs))
     assert lrs[peak:] == sorted(lrs[peak:], reverse=True) and lrs[-1] < 0.2 * run.config.lr   # the decay ends with it
-    assert train.resume_run(tmp_path / "run", {}, quiet).optimizer.step_count == row["step"]   # checkpointed there
+    resumed = train.resume_run(tmp_path / "run", {}, quiet)
+    assert resumed.optimizer.step_count == row["step"]   # checkpointed there
+    assert train.train(resumed, quiet) == ({}, False)    # and the budget stays spent
 
 
 def test_a_run_follows_its_schedule_and_keeps_it_on_resume(corpus_and_tokenizer, tmp_path):

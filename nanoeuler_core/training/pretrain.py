@@ -399,8 +399,9 @@ def train(run: Run, log: Callable[[str], None] = print,
     row: dict = {}
     val_loss = val_next = float("nan")
     start, first_step = time.perf_counter(), opt.step_count
-    reached = spent = False   # the held-out loss is at tc.target_loss or below; the time budget is used up
+    reached = False   # the held-out loss is at tc.target_loss or below
     budget_ms = None if tc.time_budget is None else round(tc.time_budget * 60_000)
+    spent = budget_ms is not None and 1000 * run.elapsed >= budget_ms   # (a resumed run may have used it up)
     with Bookkeeping(run, "training") as book:
         while opt.step_count < tc.steps and not (book.interrupted or reached or spent):
             step = opt.step_count + 1
