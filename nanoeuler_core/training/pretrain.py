@@ -433,9 +433,9 @@ def train(run: Run, log: Callable[[str], None] = print,
             book.end_step(step, row, f"step {step}{'' if budget_ms else f'/{tc.steps}'} | loss {loss:.3f}{val} | "
                                      f"{row['tokens_per_s'] / 1e3:.1f}k tok/s | {_eta(left)} left",
                          last=reached or spent)
-    if spent and not reached:
-        log(f"time budget of {tc.time_budget:g} min spent at step {opt.step_count}, after "
-            f"{opt.step_count * tokens_per_step:,} tokens; held-out loss {val_loss:.4f}")
+    if spent and not reached:   # (no row: a resumed run whose budget was already spent)
+        log(f"time budget of {tc.time_budget:g} min spent at step {opt.step_count}" +
+            (f", after {opt.step_count * tokens_per_step:,} tokens; held-out loss {val_loss:.4f}" if row else ""))
     if reached:
         log(f"reached held-out loss {val_loss:.4f} (target {tc.target_loss}) at step {opt.step_count}, after "
             f"{row['time']:.1f} s of training and {opt.step_count * tokens_per_step:,} tokens")
