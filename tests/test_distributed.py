@@ -306,7 +306,8 @@ def test_ranks_spend_a_time_budget_together(corpus_and_tokenizer, tmp_path):
     out = checked(run(args, ranks=2))
     assert (out.stdout + out.stderr).count("time budget of 0.05 min spent at step") == 1, out.stderr
     rows = [orjson.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_bytes().splitlines()]
-    assert rows[-1]["time"] >= 3.0 and "val_loss" in rows[-1]
+    # rank 0's clock (the metrics') may stand a little behind the rank whose clock ended the budget
+    assert rows[-1]["time"] >= 2.5 and "val_loss" in rows[-1]
 
 
 def rank_pids(launcher_pid: int) -> dict[int, int]:
