@@ -22,7 +22,7 @@ from nanoeuler_core.corpus.tokens import BatchLoader
 from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.gradcheck import tiny_config
 from nanoeuler_core.engine.model import Model
-from nanoeuler_core.engine.optim import AdamW
+from nanoeuler_core.engine.optim import make_optimizer
 from nanoeuler_core.training.step import TrainStep
 from nanoeuler_core.training import dpo, sft
 from nanoeuler_core.training import pretrain as train
@@ -56,9 +56,10 @@ def _real_gpu() -> bool:
 
 # On the CUDA simulator a step of even the tiny model takes about a minute: the kernels the
 # accumulation uses (add, copy, adamw) are checked there by the registry's gradcheck instead.
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 @pytest.mark.parametrize("backend", ["reference", "cpu", pytest.param(
     "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _real_gpu(), reason="needs a real CUDA GPU")])])
-def test_micro_batches_equal_one_batch(backend):
+def test_micro_batches_equal_one_batch(backend, optimizer):
     """4 micro-batches of 1 row make the step of one batch of 4 rows (captured as one CUDA graph on
     a GPU): the MTP weights count the whole step's targets (some ignored, some heads with fewer)."""
     cfg = tiny_config()
@@ -66,7 +67,7 @@ def test_micro_batches_equal_one_batch(backend):
     for split in (False, True):
         model = Model(cfg, backend=backend, seed=0)
         model.backend.matmul_precision = "highest"  # float32 products (a training run in this process may have chosen TF32)
-        step = TrainStep(model, AdamW(model))
+        step = TrainStep(model, make_optimizer(optimizer, model))
         rows = np.random.default_rng(1)
         history = []
         for _ in range(3):
@@ -106,14 +107,16 @@ class RecordingCollectives:
         self.calls.append(("wait",))
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 @pytest.mark.parametrize("zero", [False, True], ids=["all-reduce", "zero-1"])
-def test_gradient_sums_start_during_the_backward_in_buckets_covering_every_gradient(zero):
-    from nanoeuler_core.engine.optim import GradientSync
+def test_gradient_sums_start_during_the_backward_in_buckets_covering_every_gradient(optimizer, zero):
+    from nanoeuler_core.engine.optim import GradientSync, make_optimizer
 
     cfg = tiny_config()
     model = Model(cfg, backend="cpu")
     comm = RecordingCollectives(model, size=2)
-    sync = GradientSync(model, comm, zero, bucket=60)   # a few tensors per bucket
+    groups = make_optimizer(optimizer, model, comm=comm, zero=zero).groups
+    sync = GradientSync(model, comm, groups, bucket=60)   # a few tensors per bucket
     batch = model.prepare(*np.ones((2, 2, cfg.ctx_len), dtype=np.int64))
     sync.begin()
     model.forward_backward(batch, grads_ready=sync.ready)
@@ -127,11 +130,14 @@ def test_gradient_sums_start_during_the_backward_in_buckets_covering_every_gradi
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), "every gradient summed exactly once"
     heads, _ = model.layout["heads.0"]
     assert sums[0][1] >= heads, "the heads' gradients are final first"
-    per_rank = model.n_params // 2
     for kind, lo, hi, root, _ in sums:
-        assert kind == ("reduce" if zero else "all-reduce")
-        if zero:   # each part goes to the rank that owns it, never across two shards
-            assert root == lo // per_rank == (hi - 1) // per_rank
+        group = next(g for g in groups if g.lo <= lo < g.hi)
+        assert hi <= group.hi, "a sum never spans two groups"
+        assert kind == ("reduce" if group.sharded else "all-reduce")
+        assert group.sharded == (zero or group.op == "muon")
+        if group.sharded:   # each part goes to the rank that owns it, never across two parts
+            per_rank = (group.hi - group.lo) // 2
+            assert root == (lo - group.lo) // per_rank == (hi - 1 - group.lo) // per_rank
 
 
 def test_loaders_split_a_step_into_micro_batches(tok):
@@ -237,7 +243,7 @@ def saved_state(run_dir: Path) -> tuple[dict, dict]:
 
 
 def assert_same_run(a: Path, b: Path, rtol: float = 1e-6) -> None:
-    """Losses step for step and final weights and AdamW moments within `rtol` (relative)."""
+    """Losses step for step and final weights and optimizer state within `rtol` (relative)."""
     np.testing.assert_allclose(metric_losses(a), metric_losses(b), rtol=rtol, atol=0)
     (wa, oa), (wb, ob) = saved_state(a), saved_state(b)
     assert relative_difference(wa, wb) <= rtol and relative_difference(oa, ob) <= rtol
@@ -246,7 +252,8 @@ def assert_same_run(a: Path, b: Path, rtol: float = 1e-6) -> None:
 @pytest.fixture(scope="module")
 def runs(corpus_and_tokenizer, tmp_path_factory):
     """Six steps of batch 2 x 128: one process accumulating 2 micro-batches; 2 ranks; 2 ranks
-    with sharded AdamW state; 2 ranks stopped at step 3 and resumed."""
+    with sharded AdamW state; 2 ranks stopped at step 3 and resumed; Muon in one process accumulating 2
+    micro-batches, and on 2 ranks (shared out, ZeRO-1) stopped at step 3 and resumed."""
     if not MPIEXEC.exists():
         pytest.skip("needs mpiexec and mpi4py: pip install '.[dist]'")
     root = tmp_path_factory.mktemp("dp")
@@ -255,6 +262,10 @@ def runs(corpus_and_tokenizer, tmp_path_factory):
     checked(run(pretrain_args(corpus_and_tokenizer, root / "zero", "--zero", 1), ranks=2))
     checked(run(pretrain_args(corpus_and_tokenizer, root / "resumed", steps=3), ranks=2))
     checked(run(["pretrain", "--resume", root / "resumed", "--steps", 6, "--sample-prompt", "x"], ranks=2))
+    checked(run(pretrain_args(corpus_and_tokenizer, root / "muon_accum", "--optimizer", "muon", "--grad-accum", 2)))
+    checked(run(pretrain_args(corpus_and_tokenizer, root / "muon_zero", "--optimizer", "muon", "--zero", 1, steps=3),
+                ranks=2))
+    checked(run(["pretrain", "--resume", root / "muon_zero", "--steps", 6, "--sample-prompt", "x"], ranks=2))
     return root
 
 
@@ -273,6 +284,14 @@ def test_zero_1_equals_plain_data_parallel(runs):
 @needs_mpi
 def test_two_rank_run_resumes_exactly(runs):
     assert_same_run(runs / "resumed", runs / "ranks", rtol=0)
+
+
+@needs_mpi
+def test_muon_shared_out_over_two_ranks_equals_one_process(runs):
+    """Each rank orthogonalizes the matrices of half the blocks and keeps their momentum alone
+    (AdamW's moments sharded too, ZeRO-1); stopped at step 3 and resumed, it trains as one process
+    accumulating both ranks' micro-batches."""
+    assert_same_run(runs / "muon_zero", runs / "muon_accum", rtol=1e-5)
 
 
 @needs_mpi

@@ -121,10 +121,30 @@ def test_training_lowers_the_loss_and_writes_the_run(corpus_and_tokenizer, tmp_p
     assert rows[-1]["val_loss"] < run.unigram_loss + 0.5
 
 
-def test_resume_continues_exactly(corpus_and_tokenizer, tmp_path):
-    straight = train.start_run(tmp_path / "straight", config(corpus_and_tokenizer), quiet)
+def test_muon_trains_the_small_preset(corpus_and_tokenizer, tmp_path):
+    """Muon for the blocks' matrices, AdamW for the rest: the loss falls as AdamW's does, and the
+    checkpoint carries the momentum of every block matrix and the moments of everything else."""
+    final = {}
+    for optimizer in ("adamw", "muon"):
+        run = train.start_run(tmp_path / optimizer, config(corpus_and_tokenizer, steps=40, eval_every=20,
+                                                           optimizer=optimizer), quiet)
+        row, _ = train.train(run, quiet)
+        final[optimizer] = row["val_loss"]
+        rows = [orjson.loads(line) for line in (tmp_path / optimizer / "metrics.jsonl").read_bytes().splitlines()]
+        assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    assert final["muon"] < final["adamw"] + 0.1
+    state, meta = checkpoint.load_tensors(tmp_path / "muon" / "optimizer.safetensors")
+    assert meta["optimizer"] == "muon"
+    assert {"momentum.layers.0.wq", "momentum.layers.3.w_down", "m.tok_emb", "v.heads.0", "m.norm"} <= set(state)
+    assert not {"m.layers.0.wq", "momentum.tok_emb", "momentum.layers.0.attn_norm"} & set(state)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_continues_exactly(corpus_and_tokenizer, tmp_path, optimizer):
+    straight = train.start_run(tmp_path / "straight", config(corpus_and_tokenizer, optimizer=optimizer), quiet)
     train.train(straight, quiet)
-    half = train.start_run(tmp_path / "half", config(corpus_and_tokenizer, steps=6, decay_steps=12), quiet)
+    half = train.start_run(tmp_path / "half", config(corpus_and_tokenizer, steps=6, decay_steps=12,
+                                                     optimizer=optimizer), quiet)
     train.train(half, quiet)
     resumed = train.resume_run(tmp_path / "half", {"steps": 12}, quiet)
     assert resumed.optimizer.step_count == 6

@@ -48,6 +48,8 @@ def pretrain(
     decay_steps: Optional[int] = typer.Option(None, help="the schedule's horizon (default: --steps)"),
     schedule: str = typer.Option("cosine", help="cosine, or wsd: warmup-stable-decay (the peak held, then a "
                                                 "linear decay over the last 20% of the steps after warm-up)"),
+    optimizer: str = typer.Option("adamw", help="adamw, or muon: Muon (momentum orthogonalized by Newton-Schulz) "
+                                                "for the blocks' matrices, AdamW for the embeddings, heads and norms"),
     target_loss: Optional[float] = typer.Option(None, help="stop once the held-out loss (checked every --eval-every "
                                                            "steps) reaches this, with a checkpoint, and print the time"),
     time_budget: Optional[float] = typer.Option(None, help="train for this many minutes (no --steps limit unless "
@@ -92,7 +94,7 @@ def pretrain(
                                           tokenizer=str(tokenizer) if tokenizer else None, steps=steps or (NO_STEP_LIMIT if time_budget else DEFAULT["steps"]),
                                           batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
                                           zero=zero or 0,
-                                          lr=lr, warmup=warmup, decay_steps=decay_steps, schedule=schedule, target_loss=target_loss, time_budget=time_budget, seed=seed,
+                                          lr=lr, warmup=warmup, decay_steps=decay_steps, schedule=schedule, optimizer=optimizer, target_loss=target_loss, time_budget=time_budget, seed=seed,
                                           eval_every=eval_every,
                                           ckpt_every=ckpt_every, precision=precision, eager=eager,
                                           recompute=bool(recompute), **hellaswag_settings)
@@ -102,7 +104,8 @@ def pretrain(
                 if job.size == 1 and warm.wanted() and registry.backend(tc.backend).kernel_cache_cold():
                     # a cold kernel cache compiles on a second core, while the tokenizer trains
                     warmer = cleanup.enter_context(warm.KernelWarmer(tc.preset, tc.backend, tc.precision, tc.recompute,
-                                                                not tc.eager, SAMPLE_TEMPERATURE, SAMPLE_TOP_K))
+                                                                not tc.eager, SAMPLE_TEMPERATURE, SAMPLE_TOP_K,
+                                                                tc.optimizer))
                 run = training.start_run(out, tc, log)
             if warmer:
                 warmer.wait_for_step()
@@ -147,7 +150,7 @@ def log_run(run, log) -> None:
     shape = f"batch {tc.batch_size} x {cfg.ctx_len}"
     if tc.grad_accum > 1 or ranks > 1:
         shape += (f" per micro-batch, {tc.grad_accum} micro-batch{'es' if tc.grad_accum > 1 else ''} on each of "
-                  f"{ranks} rank{'s' if ranks > 1 else ''}{' (AdamW state sharded)' if run.optimizer.zero else ''}: "
+                  f"{ranks} rank{'s' if ranks > 1 else ''}{f' ({run.optimizer.sharded})' if run.optimizer.sharded else ''}: "
                   f"{training.rows_per_step(tc)} sequences per step")
     log(f"run {run.dir}: {cfg.n_params():,} parameters ({tc.preset}), backend {tc.backend} ({tc.precision}), {shape}, "
         f"steps {run.optimizer.step_count} -> " + (f"{tc.steps}" if tc.time_budget is None else

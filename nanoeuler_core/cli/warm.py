@@ -10,7 +10,7 @@ its first step and before its sample (the child is then compiling what the run w
 next) and carries on alone if the child fails. It is started only on a cold cache, with a second
 core to run on, and unless NANOEULER_COMPILE_AHEAD=0.
 
-    python -m nanoeuler_core.cli.warm PRESET BACKEND PRECISION RECOMPUTE CAPTURE TEMPERATURE TOP_K
+    python -m nanoeuler_core.cli.warm PRESET BACKEND PRECISION RECOMPUTE CAPTURE TEMPERATURE TOP_K OPTIMIZER
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ class KernelWarmer:
     `wait_for_step()` before the first step, `wait_for_decoding()` before generating."""
 
     def __init__(self, preset: str, backend: str, precision: str, recompute: bool, capture: bool,
-                 temperature: float, top_k: int | None):
-        args = [preset, backend, precision, str(int(recompute)), str(int(capture)), repr(temperature), str(top_k or 0)]
+                 temperature: float, top_k: int | None, optimizer: str = "adamw"):
+        args = [preset, backend, precision, str(int(recompute)), str(int(capture)), repr(temperature), str(top_k or 0),
+                optimizer]
         self.start([sys.executable, "-m", __name__, *args])
 
     def start(self, command: list[str]) -> None:
@@ -75,12 +76,12 @@ class KernelWarmer:
 
 
 def warm(preset: str, backend: str, precision: str, recompute: bool, capture: bool, temperature: float,
-         top_k: int) -> None:
+         top_k: int, optimizer: str) -> None:
     """Run a run's kernels once on a one-layer model of its preset: a training step and a validation
     loss, then (after printing STEP_READY) a few sampled tokens."""
     from nanoeuler_core.engine.config import ModelConfig
     from nanoeuler_core.engine.model import Model
-    from nanoeuler_core.engine.optim import AdamW
+    from nanoeuler_core.engine.optim import make_optimizer
     from nanoeuler_core.inference.decoder import Sampling, decoder_for
     from nanoeuler_core.training.step import TrainStep
 
@@ -88,7 +89,7 @@ def warm(preset: str, backend: str, precision: str, recompute: bool, capture: bo
     model = Model(cfg, backend=backend, seed=0, precision=precision, recompute=recompute)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, cfg.ctx_len + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    TrainStep(model, AdamW(model), capture=capture).micro_batches([(inputs, targets)], 1e-3)
+    TrainStep(model, make_optimizer(optimizer, model), capture=capture).micro_batches([(inputs, targets)], 1e-3)
     model.head_losses(inputs, targets)
     print(STEP_READY, flush=True)
     decoder = decoder_for(model, 1, None, Sampling(temperature, top_k or None, None))
@@ -96,5 +97,5 @@ def warm(preset: str, backend: str, precision: str, recompute: bool, capture: bo
 
 
 if __name__ == "__main__":
-    preset, backend, precision, recompute, capture, temperature, top_k = sys.argv[1:]
-    warm(preset, backend, precision, recompute == "1", capture == "1", float(temperature), int(top_k))
+    preset, backend, precision, recompute, capture, temperature, top_k, optimizer = sys.argv[1:]
+    warm(preset, backend, precision, recompute == "1", capture == "1", float(temperature), int(top_k), optimizer)

@@ -17,7 +17,8 @@ adjacent in the parameter buffer, so they are views, not copies.
 Every op comes from the registry and runs on the chosen backend ("reference": NumPy float64,
 "cpu": Numba, "cuda": Numba CUDA); the model never touches a backend's internals. All
 parameters live in one flat buffer with named views, matrices first so that weight decay covers
-the prefix [0, n_decay); the gradients live in a twin buffer, into which every op's backward adds
+the prefix [0, n_decay) (the blocks' matrices lead, block after block: the hidden matrices Muon
+updates are the prefix [0, n_hidden)); the gradients live in a twin buffer, into which every op's backward adds
 its parameter gradient in place (the buffer is zeroed once at the start of a step), as llm.c does.
 
 The K heads and their cross-entropy are one registered op, `classifier` (llm.c's fused
@@ -124,15 +125,21 @@ class Model:
         self.ops = registry.kernels_on(backend, MODEL_OPS, self.precision)
 
         shapes = cfg.param_shapes()
-        # Matrices first: weight decay applies to the prefix [0, n_decay) of the flat buffer.
-        order = [n for n, s in shapes.items() if len(s) == 2] + [n for n, s in shapes.items() if len(s) == 1]
+        # The blocks' matrices first, block after block (Muon's group: [0, n_hidden)), then the
+        # other matrices, then the vectors: weight decay applies to the prefix [0, n_decay).
+        hidden = [n for n, s in shapes.items() if len(s) == 2 and n.startswith("layers.")]
+        order = hidden + [n for n, s in shapes.items() if len(s) == 2 and n not in hidden] + \
+            [n for n, s in shapes.items() if len(s) == 1]
         self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}
         offset = 0
         for name in order:
             self.layout[name] = (offset, shapes[name])
             offset += int(np.prod(shapes[name]))
         self.n_params = offset
+        self.n_hidden = sum(int(np.prod(shapes[n])) for n in hidden)
         self.n_decay = sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2)
+        # one block's matrices in buffer order: the pattern that repeats n_layers times over [0, n_hidden)
+        self.block_matrices = tuple(shapes[n] for n in hidden if n.startswith("layers.0."))
 
         self.flat = self.backend.asarray(self._init_flat(seed))   # the master weights
         self.grad_flat = self.backend.zeros(self.n_params)

@@ -1,13 +1,21 @@
-"""AdamW over the model's flat parameter buffer, and the learning-rate schedule (docs/training.md).
+"""The optimizers over the model's flat parameter buffer, and the learning-rate schedule
+(docs/training.md).
 
-One call of the registered `adamw` op computes the global gradient norm, clips, and updates every
-parameter; weight decay covers the matrices, which the model lays out first ([0, n_decay)).
+An optimizer splits the buffer into groups, each a contiguous range [lo, hi) that one registered
+optimizer op updates in one call, clipping by the group's gradient norm:
+  - `AdamW`: one `adamw` group over the whole buffer; weight decay covers the matrices, which the
+    model lays out first ([0, n_decay)).
+  - `Muon`: a `muon` group over the blocks' matrices (the prefix [0, n_hidden), one block's
+    matrices after another: the op batches the same matrix of every block), and an `adamw` group
+    over the rest (embedding table, heads, norms).
 
 Data parallelism enters through a `Collectives` object (nanoeuler_core.collectives; the backend
-makes them); the engine knows only this interface. Between the backward and the update, AdamW sums the
-gradient buffer over the ranks (all-reduce), or, with sharded optimizer state (ZeRO-1), sums each
-rank's slice of it (reduce-scatter), updates that slice with its share of the moments and clips by
-the global norm, then gathers the updated slices (all-gather). The calls on backend arrays are
+makes them); the engine knows only this interface. Between the backward and the update, each
+group's gradients are summed over the ranks: all-reduced, or, for a sharded group, each rank's
+part is summed onto it (reduce-scatter), the rank updates that part with its share of the state
+and clips by the group's global norm, and the updated parts are gathered (all-gather). An AdamW
+group is sharded with ZeRO-1 (`zero`); a Muon group is always sharded over the ranks, a whole
+number of blocks each, so its orthogonalization is shared out. The calls on backend arrays are
 backend work, so a captured CUDA graph holds them.
 
 The sums start before the backward ends, as PyTorch's DDP does: the backward of a step's last
@@ -20,6 +28,7 @@ part); `update` waits for the last of them. A step on N ranks then costs about w
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,19 +54,37 @@ def lr_at(step: int, peak: float, warmup: int, total: int, final_ratio: float = 
 
 
 BUCKET_ELEMENTS = 4 * 2**20   # gradients summed per collective at least (16 MB of float32; DDP's are 25 MB)
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclass
+class Group:
+    """The parameters [lo, hi) that one optimizer op updates. A sharded group's rank updates only
+    its part [own_lo, own_hi), with state for that part alone; the parts are gathered after."""
+
+    op: str
+    lo: int
+    hi: int
+    sharded: bool
+    own_lo: int
+    own_hi: int
+    state: dict = field(default_factory=dict)   # name -> backend array over [own_lo, own_hi), in the op's order
+    attrs: dict = field(default_factory=dict)
+    kernel: object = None
 
 
 class GradientSync:
     """Sums the model's gradient buffer over the ranks in buckets while the backward still runs.
 
     `ready(names)` marks parameters whose gradients are final; each contiguous run of final,
-    not yet summed gradients of at least `bucket` elements is summed (all-reduced, or with ZeRO-1
-    reduced onto the rank owning each part of it) as soon as it forms; `finish()` sums what is
-    left and waits. The runs depend only on the order of `ready` calls, the same on every rank.
+    not yet summed gradients of at least `bucket` elements is summed (all-reduced, or, inside a
+    sharded group, reduced onto the rank owning each part of it) as soon as it forms; `finish()`
+    sums what is left and waits. The runs depend only on the order of `ready` calls, the same on
+    every rank.
     """
 
-    def __init__(self, model, comm: Collectives, zero: bool, bucket: int = BUCKET_ELEMENTS):
-        self.model, self.comm, self.zero, self.bucket = model, comm, zero, bucket
+    def __init__(self, model, comm: Collectives, groups: list[Group], bucket: int = BUCKET_ELEMENTS):
+        self.model, self.comm, self.groups, self.bucket = model, comm, groups, bucket
         self.started = False
         self._ready: list[list[int]] = []    # sorted, disjoint [lo, hi) runs of final, unsummed gradients
         self._summed = 0
@@ -97,43 +124,56 @@ class GradientSync:
     def _sum(self, lo: int, hi: int) -> None:
         grads, comm = self.model.grad_flat, self.comm
         self._summed += hi - lo
-        if not self.zero:
-            comm.all_reduce_sum_async(grads[lo:hi])
-            return
-        per_rank = self.model.n_params // comm.size
-        while lo < hi:   # split where the ranks' shards meet: each part goes to its owner
-            owner = lo // per_rank
-            end = min(hi, (owner + 1) * per_rank)
-            comm.reduce_sum_async(grads[lo:end], owner)
-            lo = end
+        for group in self.groups:
+            start, end = max(lo, group.lo), min(hi, group.hi)
+            if start >= end:
+                continue
+            if not group.sharded:
+                comm.all_reduce_sum_async(grads[start:end])
+                continue
+            per_rank = (group.hi - group.lo) // comm.size
+            while start < end:   # split where the ranks' parts meet: each part goes to its owner
+                owner = (start - group.lo) // per_rank
+                stop = min(end, group.lo + (owner + 1) * per_rank)
+                comm.reduce_sum_async(grads[start:stop], owner)
+                start = stop
 
 
-class AdamW:
-    """AdamW with global gradient-norm clipping; with `comm`, data-parallel over its ranks, and with
-    `zero`, each rank keeps the moments of its shard of the parameters only (ZeRO-1). `overlap`
-    starts the gradients' sums during the backward (see GradientSync)."""
+class Optimizer:
+    """One step over the model's buffer, group by group (see the module docstring); with `comm`,
+    data-parallel over its ranks; `overlap` starts the gradients' sums during the backward
+    (GradientSync). Subclasses choose the groups."""
 
-    def __init__(self, model, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0,
-                 comm: Collectives | None = None, zero: bool = False, overlap: bool = True):
-        self.model = model
-        self.beta1, self.beta2 = betas
-        self.eps, self.weight_decay, self.max_grad_norm = eps, weight_decay, max_grad_norm
-        self.comm, self.zero = comm, zero
-        self.lo, self.hi = 0, model.n_params  # the parameters whose moments this rank keeps
-        if zero:
-            if comm is None:
-                raise ValueError("sharded optimizer state (--zero 1) needs data-parallel ranks (mpiexec)")
-            if model.n_params % comm.size:
-                raise ValueError(f"--zero 1 splits the {model.n_params:,} parameters evenly over the ranks: "
-                                 f"{comm.size} ranks do not divide them; use a rank count that does, or no --zero")
-            self.lo, self.hi = shard(model.n_params, comm.rank, comm.size)
-        be = model.backend
-        self.m = be.zeros(self.hi - self.lo)
-        self.v = be.zeros(self.hi - self.lo)
-        self.sched = be.zeros(2)  # [lr, step] on the backend: a captured step reads them from here
+    name = ""
+
+    def __init__(self, model, groups: list[Group], comm: Collectives | None, overlap: bool):
+        self.model, self.groups, self.comm = model, groups, comm
+        kernels = registry.kernels_on(model.backend_name, sorted({g.op for g in groups}))
+        for group in groups:
+            group.kernel = getattr(kernels, group.op).forward
+        self.sched = model.backend.zeros(2)  # [lr, step] on the backend: a captured step reads them from here
         self.step_count = 0
-        self._adamw = registry.kernels_on(model.backend_name, ["adamw"]).adamw.forward
-        self.sync = GradientSync(model, comm, zero) if comm is not None and overlap else None
+        self.sync = GradientSync(model, comm, groups) if comm is not None and overlap else None
+
+    @staticmethod
+    def _group(model, op: str, lo: int, hi: int, comm, sharded: bool, state: tuple[str, ...], attrs: dict) -> Group:
+        own_lo, own_hi = lo, hi
+        if sharded:
+            part_lo, part_hi = shard(hi - lo, comm.rank, comm.size)
+            own_lo, own_hi = lo + part_lo, lo + part_hi
+        return Group(op, lo, hi, sharded, own_lo, own_hi, {s: model.backend.zeros(own_hi - own_lo) for s in state},
+                     attrs)
+
+    @property
+    def sharded(self) -> str:
+        """Which groups' state the ranks share out, in words ("" for none)."""
+        names = [{"adamw": "AdamW", "muon": "Muon"}[g.op] for g in self.groups if g.sharded]
+        return f"{' and '.join(names)} state sharded" if names else ""
+
+    @property
+    def state_elements(self) -> int:
+        """The optimizer state this rank holds, in elements."""
+        return sum(len(g.state) * (g.own_hi - g.own_lo) for g in self.groups)
 
     def grads_ready_hook(self):
         """What the backward of a step's last micro-batch should call as gradients become final
@@ -149,62 +189,128 @@ class AdamW:
         self.step_count += 1
         self.model.backend.copy_(self.sched, np.array([lr, self.step_count], dtype=self.model.backend.dtype))
 
-    def update(self):
-        """Sum the gradient buffer over the ranks, clip and apply it to the master weights, then
-        refresh the copy the model computes with (backend work only); returns the norm (1,) on the
-        backend."""
-        model, comm, lo, hi = self.model, self.comm, self.lo, self.hi
-        hyper = dict(beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay,
-                     max_grad_norm=self.max_grad_norm)
+    def update(self) -> list:
+        """Sum each group's gradients over the ranks, clip and apply them to the master weights,
+        gather the sharded parts, then refresh the copy the model computes with (backend work
+        only); returns each group's gradient norm (1,) on the backend (see `host_norm`)."""
+        model, comm = self.model, self.comm
         synced = self.sync is not None and self.sync.started
         if synced:
             self.sync.finish()
-        if not self.zero:
+        norms = []
+        for g in self.groups:
             if comm is not None and not synced:
-                comm.all_reduce_sum(model.grad_flat)
-            norm, _ = self._adamw(model.flat, model.grad_flat, self.m, self.v, self.sched, n_decay=model.n_decay,
-                                  **hyper)
-            model.refresh_compute_weights()
-            return norm
-        if not synced:
-            comm.reduce_scatter_sum(model.grad_flat)
-        norm, _ = self._adamw(model.flat[lo:hi], model.grad_flat[lo:hi], self.m, self.v, self.sched,
-                              n_decay=min(max(model.n_decay - lo, 0), hi - lo),
-                              reduce_sum_squares=comm.all_reduce_sum, **hyper)
-        comm.all_gather(model.flat)
+                (comm.reduce_scatter_sum if g.sharded else comm.all_reduce_sum)(model.grad_flat[g.lo:g.hi])
+            norm, _ = g.kernel(model.flat[g.own_lo:g.own_hi], model.grad_flat[g.own_lo:g.own_hi], *g.state.values(),
+                               self.sched, reduce_sum_squares=comm.all_reduce_sum if g.sharded else None, **g.attrs)
+            norms.append(norm)
+        for g in self.groups:
+            if g.sharded:
+                comm.all_gather(model.flat[g.lo:g.hi])
         model.refresh_compute_weights()
-        return norm
+        return norms
+
+    def host_norm(self, norms) -> float:
+        """The gradient norm before clipping, over every group, from `update`'s norms."""
+        return math.sqrt(sum(float(self.model.backend.to_host(n)[0]) ** 2 for n in norms))
 
     def step(self, lr: float) -> float:
         """Apply one update from the model's gradient buffer; returns the gradient norm before clipping."""
         self.set_schedule(lr)
-        return float(self.model.backend.to_host(self.update())[0])
+        return self.host_norm(self.update())
+
+    def reset(self) -> None:
+        """Back to step 0 with zero state, in place (a captured step keeps reading the same arrays)."""
+        for g in self.groups:
+            for array in g.state.values():
+                self.model.backend.copy_(array, np.zeros(g.own_hi - g.own_lo, dtype=self.model.backend.dtype))
+        self.step_count = 0
 
     def state(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """Moments as named tensors (m.<name>, v.<name>) and the step, for optimizer.safetensors.
-
-        With sharded moments every rank must call it (it gathers the shards)."""
-        be, layout = self.model.backend, self.model.layout
-        m, v = be.to_host(self.m), be.to_host(self.v)
-        if self.zero:
-            m, v = self.comm.host_concat(m), self.comm.host_concat(v)
-        tensors = {}
-        for name, (offset, shape) in layout.items():
-            size = int(np.prod(shape))
-            tensors[f"m.{name}"] = m[offset:offset + size].reshape(shape)
-            tensors[f"v.{name}"] = v[offset:offset + size].reshape(shape)
-        return tensors, {"step": str(self.step_count)}
+        """The state as named tensors (`<state>.<parameter>`: m and v for AdamW, momentum for
+        Muon), the step and the optimizer's name, for optimizer.safetensors. Every rank must call
+        it (sharded state is gathered)."""
+        be, tensors = self.model.backend, {}
+        for g in self.groups:
+            for key, array in g.state.items():
+                full = self.comm.host_concat(be.to_host(array)) if g.sharded else be.to_host(array)
+                for name, (offset, shape) in self._names(g):
+                    tensors[f"{key}.{name}"] = full[offset - g.lo:offset - g.lo + int(np.prod(shape))].reshape(shape)
+        return tensors, {"step": str(self.step_count), "optimizer": self.name}
 
     def load_state(self, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-        be, layout = self.model.backend, self.model.layout
-        m = np.empty(self.model.n_params, dtype=be.dtype)
-        v = np.empty(self.model.n_params, dtype=be.dtype)
-        for name, (offset, shape) in layout.items():
-            size = int(np.prod(shape))
-            for flat, key in ((m, f"m.{name}"), (v, f"v.{name}")):
-                if key not in tensors or tensors[key].shape != shape:
-                    raise ValueError(f"optimizer state lacks '{key}' of shape {shape}")
-                flat[offset:offset + size] = tensors[key].reshape(-1)
-        be.copy_(self.m, m[self.lo:self.hi])
-        be.copy_(self.v, v[self.lo:self.hi])
+        saved = metadata.get("optimizer", "adamw")
+        if saved != self.name:
+            raise ValueError(f"the optimizer state is {saved}'s, not {self.name}'s: resume with --optimizer {saved}")
+        be = self.model.backend
+        for g in self.groups:
+            for key, array in g.state.items():
+                full = np.empty(g.hi - g.lo, dtype=be.dtype)
+                for name, (offset, shape) in self._names(g):
+                    if f"{key}.{name}" not in tensors or tensors[f"{key}.{name}"].shape != shape:
+                        raise ValueError(f"optimizer state lacks '{key}.{name}' of shape {shape}")
+                    full[offset - g.lo:offset - g.lo + int(np.prod(shape))] = tensors[f"{key}.{name}"].reshape(-1)
+                be.copy_(array, full[g.own_lo - g.lo:g.own_hi - g.lo])
         self.step_count = int(metadata.get("step", 0))
+
+    def _names(self, g: Group):
+        return [(name, (offset, shape)) for name, (offset, shape) in self.model.layout.items() if g.lo <= offset < g.hi]
+
+
+def _adamw_group(model, lo: int, hi: int, comm, zero: bool, betas, eps, weight_decay, max_grad_norm) -> Group:
+    if zero and (hi - lo) % comm.size:
+        raise ValueError(f"--zero 1 splits the {hi - lo:,} parameters AdamW updates evenly over the ranks: "
+                         f"{comm.size} ranks do not divide them; use a rank count that does, or no --zero")
+    group = Optimizer._group(model, "adamw", lo, hi, comm, zero, ("m", "v"),
+                             dict(beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
+                                  max_grad_norm=max_grad_norm))
+    group.attrs["n_decay"] = min(max(model.n_decay - group.own_lo, 0), group.own_hi - group.own_lo)
+    return group
+
+
+def _check_zero(comm, zero: bool) -> None:
+    if zero and comm is None:
+        raise ValueError("sharded optimizer state (--zero 1) needs data-parallel ranks (mpiexec)")
+
+
+class AdamW(Optimizer):
+    """AdamW over the whole buffer, with global gradient-norm clipping; with `zero`, each rank
+    keeps the moments of its shard of the parameters only (ZeRO-1)."""
+
+    name = "adamw"
+
+    def __init__(self, model, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0,
+                 comm: Collectives | None = None, zero: bool = False, overlap: bool = True):
+        _check_zero(comm, zero)
+        group = _adamw_group(model, 0, model.n_params, comm, zero, betas, eps, weight_decay, max_grad_norm)
+        super().__init__(model, [group], comm, overlap)
+
+
+class Muon(Optimizer):
+    """Muon over the blocks' matrices (momentum orthogonalized by a Newton-Schulz iteration: the
+    `muon` op), AdamW over the embedding table, the heads and the norms; each group clipped by its
+    own gradient norm. With ranks, each updates the matrices of a whole number of blocks (when they
+    divide the blocks) and keeps their momentum alone; `zero` shards the AdamW group too."""
+
+    name = "muon"
+
+    def __init__(self, model, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0,
+                 comm: Collectives | None = None, zero: bool = False, overlap: bool = True, momentum: float = 0.95,
+                 ns_steps: int = 5):
+        _check_zero(comm, zero)
+        blocks = model.cfg.n_layers
+        shared_out = comm is not None and blocks % comm.size == 0
+        muon = self._group(model, "muon", 0, model.n_hidden, comm, shared_out, ("momentum",),
+                           dict(pattern=model.block_matrices, repeats=blocks // (comm.size if shared_out else 1),
+                                beta=momentum, nesterov=True, ns_steps=ns_steps, weight_decay=weight_decay,
+                                max_grad_norm=max_grad_norm))
+        rest = _adamw_group(model, model.n_hidden, model.n_params, comm, zero, betas, eps, weight_decay, max_grad_norm)
+        super().__init__(model, [muon, rest], comm, overlap)
+
+
+def make_optimizer(name: str, model, **settings) -> Optimizer:
+    """The optimizer called `name` (OPTIMIZERS) over `model`, with AdamW's settings (betas, eps,
+    weight_decay, max_grad_norm) and the data-parallel ones (comm, zero, overlap)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{name}'")
+    return (AdamW if name == "adamw" else Muon)(model, **settings)

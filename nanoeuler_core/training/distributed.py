@@ -154,12 +154,12 @@ def _init_world() -> World:
 
 
 def memory_line(model, optimizer) -> str:
-    """What each rank holds: parameters, gradients and AdamW moments (its shard of them with
-    ZeRO-1) and, on GPUs, the device memory in use on each rank's GPU. Every rank must call it."""
+    """What each rank holds: parameters, gradients and optimizer state (its share of it where
+    sharded) and, on GPUs, the device memory in use on each rank's GPU. Every rank must call it."""
     item = np.dtype(model.backend.dtype).itemsize
-    state = 2 * (optimizer.hi - optimizer.lo) * item
-    line = (f"memory per rank: parameters and gradients {2 * model.n_params * item / 1e6:,.1f} MB, AdamW moments "
-            f"{state / 1e6:,.1f} MB" + (f" (1/{optimizer.comm.size} of them)" if optimizer.zero else ""))
+    state = optimizer.state_elements * item
+    line = (f"memory per rank: parameters and gradients {2 * model.n_params * item / 1e6:,.1f} MB, optimizer state "
+            f"{state / 1e6:,.1f} MB" + (f" ({optimizer.sharded})" if optimizer.sharded else ""))
     in_use = world().allgather(model.backend.memory_in_use())
     if in_use[0] is not None:
         line += "; device memory in use " + ", ".join(f"{b / 1e9:.2f}" for b in in_use) + " GB (by rank)"

@@ -31,7 +31,8 @@ from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.checkpoint import CheckpointError
 from nanoeuler_core.engine.config import PRESETS, ModelConfig
 from nanoeuler_core.corpus.tokens import BatchLoader, check_length, default_corpus, load_tokens
-from nanoeuler_core.engine.optim import SCHEDULES, AdamW, lr_at
+from nanoeuler_core.engine import optim
+from nanoeuler_core.engine.optim import OPTIMIZERS, SCHEDULES, Optimizer, lr_at
 from nanoeuler_core.errors import unreadable
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.engine.model import Model
@@ -52,6 +53,7 @@ class TrainConfig:
     warmup: int | None = None           # default: 5% of decay_steps
     decay_steps: int | None = None      # the schedule's horizon; default: steps
     schedule: str = "cosine"            # or "wsd": warmup-stable-decay (engine/optim.py lr_at)
+    optimizer: str = "adamw"            # or "muon": Muon for the blocks' matrices, AdamW for the rest
     target_loss: float | None = None    # stop (with a checkpoint) once the held-out loss reaches it
     time_budget: float | None = None    # minutes of training: the schedule laid over them, ending with them
     final_lr_ratio: float = 0.1
@@ -72,6 +74,7 @@ class TrainConfig:
                                         # from its input (Model.recompute): less memory, the same gradients
     grad_accum: int = 1                 # micro-batches of batch_size rows per optimizer step (on each rank)
     zero: int = 0                       # 1: AdamW moments sharded over the data-parallel ranks (ZeRO-1)
+    muon_momentum: float = 0.95         # Muon's momentum (Nesterov)
     eval_hellaswag_every: int = 0       # HellaSwag acc/acc_norm every N steps into metrics.jsonl (0: never)
     hellaswag_file: str | None = None   # default: corpora/hellaswag/hellaswag_val.jsonl (`data hellaswag`)
     hellaswag_limit: int | None = None  # score only the first N items (default: all)
@@ -88,6 +91,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every", "decay_steps", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{self.optimizer}'")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got '{self.schedule}'")
         if self.time_budget is not None and not (self.time_budget > 0 and math.isfinite(self.time_budget)):
@@ -126,7 +131,7 @@ class Run:
     dir: Path
     config: TrainConfig
     model: Model
-    optimizer: AdamW
+    optimizer: Optimizer
     tok: object
     train_loader: BatchLoader
     val_loader: BatchLoader | None
@@ -163,11 +168,12 @@ def _data(run_dir: Path, tc: TrainConfig, tok, ctx_len: int) -> tuple[BatchLoade
     return train, val, unigram_loss(splits.train, tok.vocab_size)
 
 
-def make_optimizer(model: Model, tc: TrainConfig) -> AdamW:
-    """The AdamW of a run with settings `tc`, over the job's data-parallel ranks."""
+def make_optimizer(model: Model, tc: TrainConfig) -> Optimizer:
+    """The optimizer of a run with settings `tc`, over the job's data-parallel ranks."""
     comm = distributed.world().collectives(tc.backend)
-    return AdamW(model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay, max_grad_norm=tc.grad_clip,
-                 comm=comm, zero=bool(tc.zero) and comm is not None)
+    muon = {"momentum": tc.muon_momentum} if tc.optimizer == "muon" else {}
+    return optim.make_optimizer(tc.optimizer, model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
+                                max_grad_norm=tc.grad_clip, comm=comm, zero=bool(tc.zero) and comm is not None, **muon)
 
 
 def rows_per_step(tc: TrainConfig) -> int:

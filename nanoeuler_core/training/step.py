@@ -1,12 +1,12 @@
 """One training step, captured: the forward and backward of each micro-batch (Model.prepare and
 Model.forward_backward), the gradients summed in the model's buffer and over the optimizer's
-ranks, clipping and AdamW, replayed as one CUDA graph per batch shape on a GPU."""
+ranks, clipping and the optimizer update, replayed as one CUDA graph per batch shape on a GPU."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from nanoeuler_core.engine.optim import AdamW
+from nanoeuler_core.engine.optim import AdamW, Optimizer
 
 
 class TrainStep:
@@ -18,7 +18,7 @@ class TrainStep:
     as is. `capture=False` keeps every launch eager, for debugging.
     """
 
-    def __init__(self, model, optimizer: AdamW, capture: bool = True):
+    def __init__(self, model, optimizer: Optimizer, capture: bool = True):
         self.model, self.optimizer, self.capture = model, optimizer, capture
         self._programs: dict = {}
 
@@ -57,11 +57,11 @@ class TrainStep:
             for (inputs, targets), batch in zip(batches, prepared):
                 model.prepare(inputs, targets, counts, out=batch)
             result = replay()
-        losses, norm = result
+        losses, norms = result
         loss = sum(model.loss_of(batch, l) for batch, l in zip(prepared, losses))
         if comm is not None:
             loss = float(comm.host_sum(np.array([loss]))[0])
-        return loss, float(be.to_host(norm)[0])
+        return loss, self.optimizer.host_norm(norms)
 
 
 def check_graph_replay(backend: str, cfg=None, steps: int = 3, seed: int = 0, precision: str = "fp32"):
