@@ -200,7 +200,8 @@ def write_run(path: Path, steps: int, batch_size: int, ctx_len: int, hellaswag_e
     (path / "config.json").write_text(json.dumps({"ctx_len": ctx_len, "training": {"batch_size": batch_size}}))
     rows = []
     for step in range(1, steps + 1):
-        row = {"step": step, "loss": 5.0 * math.exp(-step / 40) + 2 + 0.1 * math.sin(step), "lr": 1e-3 * min(1, step / 10)}
+        row = {"step": step, "loss": 5.0 * math.exp(-step / 40) + 2 + 0.1 * math.sin(step), "lr": 1e-3 * min(1, step / 10),
+               "time": 0.25 * step * batch_size}
         if step % 20 == 0:
             row["val_loss"] = 5.0 * math.exp(-step / 40) + 2.1
         if hellaswag_every and step % hellaswag_every == 0:
@@ -214,6 +215,8 @@ def test_tokens_seen_and_legend_names(tmp_path):
     run = curves.read_run(write_run(tmp_path / "a" / "run", 100, 8, 128))
     assert len(run.rows) == 100 and run.tokens[0] == 8 * 128 and run.tokens[-1] == 100 * 8 * 128
     assert run.series("val_loss")[0].tolist() == [s * 1024 for s in (20, 40, 60, 80, 100)]
+    run.x = "seconds"
+    assert run.series("val_loss")[0].tolist() == [0.25 * s * 8 for s in (20, 40, 60, 80, 100)]
     assert curves.run_names([Path("x/a/run"), Path("x/b/run"), Path("c")]) == ["a/run", "b/run", "c"]
     assert np.allclose(curves.moving_average(np.array([1.0, 3, 5, 7]), 2), [1, 2, 4, 6])
 
@@ -226,13 +229,18 @@ def test_plot_overlays_runs(tmp_path, monkeypatch, capsys):
     assert code in (0, None), stderr
     image = (tmp_path / "curves.png").read_bytes()
     assert image.startswith(b"\x89PNG") and len(image) > 20_000 and "curves of 2 run(s)" in stdout
+    code, _, stderr = run_cli(monkeypatch, capsys, "plot", first, second, "--x", "seconds", "--out", tmp_path / "s.png")
+    assert code in (0, None), stderr
+    assert (tmp_path / "s.png").read_bytes() != image
 
 
 def test_plot_errors_are_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "config.json").write_text("{}")
-    for run, message in ((tmp_path / "fresh", "has no metrics to plot"), (tmp_path / "missing", "does not exist")):
-        code, _, stderr = run_cli(monkeypatch, capsys, "plot", run, "--out", tmp_path / "c.png")
+    write_run(tmp_path / "done", 10, 8, 128)
+    for args, message in (((tmp_path / "fresh",), "has no metrics to plot"), ((tmp_path / "missing",), "does not exist"),
+                          ((tmp_path / "done", "--x", "steps"), "--x must be one of tokens, seconds")):
+        code, _, stderr = run_cli(monkeypatch, capsys, "plot", *args, "--out", tmp_path / "c.png")
         assert code == 1 and stderr.count("\n") == 1 and message in stderr, stderr
 
 

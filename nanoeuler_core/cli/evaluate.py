@@ -67,9 +67,10 @@ def eval_command(
 def plot_command(
     run_dirs: List[Path] = typer.Argument(..., help="one or more run directories, overlaid"),
     out: Path = typer.Option(Path("curves.png"), help="image to write (png, svg, pdf, ...)"),
+    x: str = typer.Option("tokens", help="the horizontal axis: tokens (seen) or seconds (of training)"),
 ) -> None:
-    """Plot training and validation loss and the learning rate against tokens seen."""
-    typer.echo(f"curves of {len(run_dirs)} run(s) in {curves.plot_runs(run_dirs, out)}")
+    """Plot training and validation loss and the learning rate against tokens seen or seconds."""
+    typer.echo(f"curves of {len(run_dirs)} run(s) in {curves.plot_runs(run_dirs, out, x)}")
 
 
 def register(app: typer.Typer) -> None:

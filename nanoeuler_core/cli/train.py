@@ -50,6 +50,8 @@ def pretrain(
                                                 "linear decay over the last 20% of the steps after warm-up)"),
     optimizer: str = typer.Option("adamw", help="adamw, or muon: Muon (momentum orthogonalized by Newton-Schulz) "
                                                 "for the blocks' matrices, AdamW for the embeddings, heads and norms"),
+    muon_lr: Optional[float] = typer.Option(None, help="with --optimizer muon: the Muon group's peak learning rate "
+                                                       "(default: --lr), on the same schedule"),
     target_loss: Optional[float] = typer.Option(None, help="stop once the held-out loss (checked every --eval-every "
                                                            "steps) reaches this, with a checkpoint, and print the time"),
     time_budget: Optional[float] = typer.Option(None, help="train for this many minutes (no --steps limit unless "
@@ -94,7 +96,7 @@ def pretrain(
                                           tokenizer=str(tokenizer) if tokenizer else None, steps=steps or (NO_STEP_LIMIT if time_budget else DEFAULT["steps"]),
                                           batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
                                           zero=zero or 0,
-                                          lr=lr, warmup=warmup, decay_steps=decay_steps, schedule=schedule, optimizer=optimizer, target_loss=target_loss, time_budget=time_budget, seed=seed,
+                                          lr=lr, warmup=warmup, decay_steps=decay_steps, schedule=schedule, optimizer=optimizer, muon_lr=muon_lr, target_loss=target_loss, time_budget=time_budget, seed=seed,
                                           eval_every=eval_every,
                                           ckpt_every=ckpt_every, precision=precision, eager=eager,
                                           recompute=bool(recompute), **hellaswag_settings)

@@ -70,6 +70,8 @@ class Group:
     own_hi: int
     state: dict = field(default_factory=dict)   # name -> backend array over [own_lo, own_hi), in the op's order
     attrs: dict = field(default_factory=dict)
+    lr_ratio: float = 1.0     # the group's learning rate as a multiple of the schedule's
+    sched: object = None      # [lr * lr_ratio, step] on the backend: a captured step reads them from here
     kernel: object = None
 
 
@@ -151,7 +153,7 @@ class Optimizer:
         kernels = registry.kernels_on(model.backend_name, sorted({g.op for g in groups}))
         for group in groups:
             group.kernel = getattr(kernels, group.op).forward
-        self.sched = model.backend.zeros(2)  # [lr, step] on the backend: a captured step reads them from here
+            group.sched = model.backend.zeros(2)
         self.step_count = 0
         self.sync = GradientSync(model, comm, groups) if comm is not None and overlap else None
 
@@ -187,7 +189,8 @@ class Optimizer:
     def set_schedule(self, lr: float) -> None:
         """Start the next step at learning rate `lr` (host work: call before `update`)."""
         self.step_count += 1
-        self.model.backend.copy_(self.sched, np.array([lr, self.step_count], dtype=self.model.backend.dtype))
+        for g in self.groups:
+            self.model.backend.copy_(g.sched, np.array([lr * g.lr_ratio, self.step_count], dtype=self.model.backend.dtype))
 
     def update(self) -> list:
         """Sum each group's gradients over the ranks, clip and apply them to the master weights,
@@ -202,7 +205,7 @@ class Optimizer:
             if comm is not None and not synced:
                 (comm.reduce_scatter_sum if g.sharded else comm.all_reduce_sum)(model.grad_flat[g.lo:g.hi])
             norm, _ = g.kernel(model.flat[g.own_lo:g.own_hi], model.grad_flat[g.own_lo:g.own_hi], *g.state.values(),
-                               self.sched, reduce_sum_squares=comm.all_reduce_sum if g.sharded else None, **g.attrs)
+                               g.sched, reduce_sum_squares=comm.all_reduce_sum if g.sharded else None, **g.attrs)
             norms.append(norm)
         for g in self.groups:
             if g.sharded:
@@ -290,13 +293,14 @@ class Muon(Optimizer):
     """Muon over the blocks' matrices (momentum orthogonalized by a Newton-Schulz iteration: the
     `muon` op), AdamW over the embedding table, the heads and the norms; each group clipped by its
     own gradient norm. With ranks, each updates the matrices of a whole number of blocks (when they
-    divide the blocks) and keeps their momentum alone; `zero` shards the AdamW group too."""
+    divide the blocks) and keeps their momentum alone; `zero` shards the AdamW group too.
+    `lr_ratio` is the Muon group's learning rate as a multiple of the schedule's (AdamW's)."""
 
     name = "muon"
 
     def __init__(self, model, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0,
                  comm: Collectives | None = None, zero: bool = False, overlap: bool = True, momentum: float = 0.95,
-                 ns_steps: int = 5):
+                 ns_steps: int = 5, lr_ratio: float = 1.0):
         _check_zero(comm, zero)
         blocks = model.cfg.n_layers
         shared_out = comm is not None and blocks % comm.size == 0
@@ -304,6 +308,7 @@ class Muon(Optimizer):
                            dict(pattern=model.block_matrices, repeats=blocks // (comm.size if shared_out else 1),
                                 beta=momentum, nesterov=True, ns_steps=ns_steps, weight_decay=weight_decay,
                                 max_grad_norm=max_grad_norm))
+        muon.lr_ratio = lr_ratio
         rest = _adamw_group(model, model.n_hidden, model.n_params, comm, zero, betas, eps, weight_decay, max_grad_norm)
         super().__init__(model, [muon, rest], comm, overlap)
 

@@ -1,6 +1,7 @@
 """Training curves of one or more runs, overlaid: loss (training, thin; its moving average; and
 validation, dashed with markers) and the learning rate against tokens seen, plus HellaSwag
-acc_norm when a run measured it (`pretrain --eval-hellaswag-every`).
+acc_norm when a run measured it (`pretrain --eval-hellaswag-every`), against tokens seen or against
+seconds of training (each row's `time`: runs of different speeds compared by the clock).
 
 Tokens seen at a metrics row are its `tokens` field when it has one, else step x batch_size x
 ctx_len from the run's config.json (for fine-tuning runs, the padded sequences' upper bound).
@@ -23,10 +24,12 @@ class RunCurves:
     name: str
     tokens: np.ndarray      # tokens seen at each row
     rows: list[dict]        # metrics.jsonl
+    x: str = "tokens"       # what `series` pairs the values with: "tokens" or "seconds"
 
     def series(self, field: str) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, values) of the rows that have `field`."""
-        picked = [(t, row[field]) for t, row in zip(self.tokens, self.rows) if row.get(field) is not None]
+        """(tokens or seconds, values) of the rows that have `field`."""
+        at = self.tokens if self.x == "tokens" else [row.get("time", np.nan) for row in self.rows]
+        picked = [(t, row[field]) for t, row in zip(at, self.rows) if row.get(field) is not None]
         if not picked:
             return np.empty(0), np.empty(0)
         tokens, values = zip(*picked)
@@ -69,8 +72,12 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
     return (sums[1:] - sums[np.arange(1, len(values) + 1) - counts]) / counts
 
 
-def plot_runs(run_dirs: list[Path], out: Path) -> Path:
-    """Draw the curves of `run_dirs` into the image `out` (format from its extension); returns it."""
+X_AXES = {"tokens": "tokens seen", "seconds": "seconds of training"}
+
+
+def plot_runs(run_dirs: list[Path], out: Path, x: str = "tokens") -> Path:
+    """Draw the curves of `run_dirs` into the image `out` (format from its extension) against `x`
+    (X_AXES); returns it."""
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import EngFormatter, PercentFormatter
@@ -78,7 +85,11 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
         raise ValueError("plotting needs matplotlib: pip install 'nanoeuler[plot]'") from None
     if not run_dirs:
         raise ValueError("name at least one run directory to plot")
+    if x not in X_AXES:
+        raise ValueError(f"--x must be one of {', '.join(X_AXES)}, got '{x}'")
     runs = [read_run(d, name) for d, name in zip(run_dirs, run_names(list(run_dirs)))]
+    for run in runs:
+        run.x = x
     with_hellaswag = any(run.series("hellaswag_acc_norm")[0].size for run in runs)
     panels = 3 if with_hellaswag else 2
     figure = Figure(figsize=(9, 3.2 * panels + 0.6), layout="constrained")
@@ -114,7 +125,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[-1].xaxis.set_major_formatter(EngFormatter())
-    axes[-1].set_xlabel("tokens seen")
+    axes[-1].set_xlabel(X_AXES[x])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=120)

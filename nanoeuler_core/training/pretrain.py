@@ -74,6 +74,7 @@ class TrainConfig:
                                         # from its input (Model.recompute): less memory, the same gradients
     grad_accum: int = 1                 # micro-batches of batch_size rows per optimizer step (on each rank)
     zero: int = 0                       # 1: AdamW moments sharded over the data-parallel ranks (ZeRO-1)
+    muon_lr: float | None = None        # Muon's peak learning rate (default: --lr), on the same schedule
     muon_momentum: float = 0.95         # Muon's momentum (Nesterov)
     eval_hellaswag_every: int = 0       # HellaSwag acc/acc_norm every N steps into metrics.jsonl (0: never)
     hellaswag_file: str | None = None   # default: corpora/hellaswag/hellaswag_val.jsonl (`data hellaswag`)
@@ -101,8 +102,10 @@ class TrainConfig:
             raise ValueError(f"--target-loss must be a positive number, got {self.target_loss}")
         if self.zero not in (0, 1):
             raise ValueError(f"--zero must be 0 (off) or 1 (sharded optimizer state), got {self.zero}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        for name in ("lr", "muon_lr"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
         if self.seed < 0:
             raise ValueError(f"--seed must be non-negative, got {self.seed}")
         if self.eval_hellaswag_every < 0:
@@ -171,7 +174,7 @@ def _data(run_dir: Path, tc: TrainConfig, tok, ctx_len: int) -> tuple[BatchLoade
 def make_optimizer(model: Model, tc: TrainConfig) -> Optimizer:
     """The optimizer of a run with settings `tc`, over the job's data-parallel ranks."""
     comm = distributed.world().collectives(tc.backend)
-    muon = {"momentum": tc.muon_momentum} if tc.optimizer == "muon" else {}
+    muon = {"momentum": tc.muon_momentum, "lr_ratio": (tc.muon_lr or tc.lr) / tc.lr} if tc.optimizer == "muon" else {}
     return optim.make_optimizer(tc.optimizer, model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
                                 max_grad_norm=tc.grad_clip, comm=comm, zero=bool(tc.zero) and comm is not None, **muon)
 
