@@ -12,6 +12,7 @@ import typer
 from nanoeuler_core import registry
 from nanoeuler_core.cli.train import RECOMPUTE_HELP
 from nanoeuler_core.engine import gradcheck
+from nanoeuler_core.engine.optim import OPTIMIZERS
 from nanoeuler_core.training.step import check_graph_replay
 
 
@@ -229,7 +230,7 @@ def selftest(
         failures += _echo_checks(gradcheck.check_model_backend(backend, seed, against="cpu", cfg=small, batch_size=4,
                                                                bound=bound, precision=p))
         typer.echo(f"== training step in {p}: captured and replayed vs launched eagerly")
-        failures += _echo_checks([check_graph_replay(backend, small, precision=p)])
+        failures += _echo_checks([check_graph_replay(backend, small, precision=p, optimizer=o) for o in OPTIMIZERS])
     _verdict("selftest", failures)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nanoeuler_core.engine.optim import AdamW, Optimizer
+from nanoeuler_core.engine.optim import Optimizer, make_optimizer
 
 
 class TrainStep:
@@ -64,9 +64,11 @@ class TrainStep:
         return loss, self.optimizer.host_norm(norms)
 
 
-def check_graph_replay(backend: str, cfg=None, steps: int = 3, seed: int = 0, precision: str = "fp32"):
-    """A captured training step (replayed) against the same steps launched eagerly: losses,
-    gradient norms and weights must agree exactly (a gradcheck TensorCheck with bound 0)."""
+def check_graph_replay(backend: str, cfg=None, steps: int = 3, seed: int = 0, precision: str = "fp32",
+                       optimizer: str = "adamw"):
+    """A captured training step (replayed) against the same steps launched eagerly, with the
+    optimizer called `optimizer`: losses, gradient norms and weights must agree exactly (a
+    gradcheck TensorCheck with bound 0)."""
     from nanoeuler_core.engine.gradcheck import TensorCheck, tiny_batch, tiny_config
     from nanoeuler_core.engine.model import Model
 
@@ -74,7 +76,7 @@ def check_graph_replay(backend: str, cfg=None, steps: int = 3, seed: int = 0, pr
     results = []
     for capture in (True, False):
         model = Model(cfg, backend=backend, seed=seed, precision=precision)
-        step = TrainStep(model, AdamW(model), capture=capture)
+        step = TrainStep(model, make_optimizer(optimizer, model), capture=capture)
         rng = np.random.default_rng(seed)
         history = [step(*tiny_batch(cfg, rng, B=2, T=cfg.ctx_len), 1e-3) for _ in range(steps)]
         results.append((history, model.backend.to_host(model.flat)))
@@ -82,4 +84,4 @@ def check_graph_replay(backend: str, cfg=None, steps: int = 3, seed: int = 0, pr
     worst = float(np.max(np.abs(w_replayed - w_eager)))
     if replayed != eager:
         worst = max(worst, float(np.max(np.abs(np.array(replayed) - np.array(eager)))))
-    return TensorCheck(f"{steps} steps, graph vs eager", worst, 0.0)
+    return TensorCheck(f"{steps} steps with {optimizer}, graph vs eager", worst, 0.0)
