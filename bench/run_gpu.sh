@@ -8,7 +8,7 @@
 #   training:   per-kernel timings in bf16, the TF32 step, and 500 steps of bf16, fp32 and PyTorch bf16
 #               from the same weights and batches
 #   generation: a `gpu` model trained 300 steps (GEN_STEPS) on the bundled corpus (or CORPUS, e.g. from
-#               bench/stdlib_corpus.py), decoding tests and the decoding benchmark
+#               `nanoeuler-run data python-sources`), decoding tests and the decoding benchmark
 #               (batch 1 against PyTorch, 8 and 32)
 #   decode:     the decoding tests, then the captured step alone at 1, 8 and 32 rows (bench/decode_step.py)
 #   dist:       the NCCL communicator and the captured step with the all-reduce inside (one rank)

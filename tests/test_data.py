@@ -139,6 +139,37 @@ def test_document_separator_lines_become_eos(corpus):
     assert ids.tolist() == expected
 
 
+def test_held_out_split_starts_after_a_document_end(corpus):
+    documents = [f"document {i}: " + "words " * (3 + i % 7) + "\n" for i in range(40)]
+    corpus.write_text("".join(f"{document}</s>\n" for document in documents))
+    tok = ByteTokenizer()
+    splits = data.load_tokens(corpus, tok, val_fraction=0.2)
+    ids = all_ids(splits)
+    nominal = len(ids) - round(0.2 * len(ids))
+    ends = np.flatnonzero(ids == tok.eos_id)
+    assert ids[nominal - 1] != tok.eos_id  # the nominal cut falls inside a document here
+    assert len(splits.train) == ends[ends >= nominal][0] + 1  # just after the first end at or after it
+    assert splits.train[-1] == tok.eos_id and splits.val[0] != tok.eos_id
+
+    def texts(ids):
+        return set(bytes(ids[ids != tok.eos_id].tolist()).decode().splitlines(keepends=True))
+
+    assert texts(splits.train) | texts(splits.val) == set(documents)
+    assert texts(splits.train).isdisjoint(texts(splits.val))
+
+
+@pytest.mark.parametrize("text, val_ids", [
+    ("abcdefgh" * 5, 8),                    # no separator: the cut as it was
+    ("abcdefgh" * 4 + "abcdefg\n</s>\n", 8),  # the only end is the last id: nothing would be held out
+    ("x" * 31 + "\n</s>\n" + "y" * 7 + "\n", 8),  # an end just before the cut already marks a boundary
+])
+def test_held_out_split_stays_where_no_document_ends_in_it(corpus, text, val_ids):
+    corpus.write_text(text)
+    splits = data.load_tokens(corpus, ByteTokenizer(), val_fraction=0.2)
+    assert len(splits.train) + len(splits.val) == len(text) - 4 * text.count("</s>\n")
+    assert len(splits.val) == val_ids
+
+
 def test_corpus_is_encoded_in_chunks_cut_at_line_ends(corpus, monkeypatch):
     monkeypatch.setattr(data, "CHUNK_CHARS", 50)
     monkeypatch.setattr(data, "CHUNKS_PER_BATCH", 3)

@@ -1,4 +1,5 @@
-"""`nanoeuler-run data ...`: download real corpora and turn them into files `pretrain` and `sft` read.
+"""`nanoeuler-run data ...`: download real corpora, or build one from this machine's Python files,
+and turn them into files `pretrain` and `sft` read.
 
 Each command shows its progress on stderr, resumes partial downloads when run again, and checks
 files against the `SHA256SUMS` manifest it keeps in the output folder. `--base-url` (or `--url`
@@ -18,10 +19,11 @@ from rich.filesize import decimal
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from nanoeuler_core.corpus import downloads as datasets
+from nanoeuler_core.corpus import python_sources
 
 app = typer.Typer(
     help="Download real corpora (Project Gutenberg books, a FineWeb-Edu slice, the Alpaca instruction set) "
-         "and the HellaSwag validation set.",
+         "and the HellaSwag validation set, or build the Python corpus offline.",
     no_args_is_help=True,
 )
 
@@ -39,7 +41,7 @@ def gutenberg(
 ) -> None:
     """Public-domain books, licence header and footer stripped, joined into one corpus."""
     book_ids = _parse_book_ids(books) if books else list(datasets.GUTENBERG_BOOKS)
-    with _download_session() as progress:
+    with _progress_session() as progress:
         corpus = datasets.gutenberg(out, book_ids, base_url=base_url, progress=progress)
     _report_corpus(corpus, f"{len(book_ids)} books")
 
@@ -54,9 +56,28 @@ def fineweb(
 ) -> None:
     """A slice of FineWeb-Edu (educational web pages), whole documents, `</s>` between them."""
     size = _parse_size(max_bytes)
-    with _download_session() as progress:
+    with _progress_session() as progress:
         corpus = datasets.fineweb(out, size, base_url=base_url, progress=progress)
     _report_corpus(corpus, "FineWeb-Edu documents")
+
+
+@app.command("python-sources")
+def python_sources_corpus(
+    out: Annotated[Path, typer.Option(help="Folder for the corpus and its manifest.")] = Path("corpora/python"),
+    max_bytes: Annotated[str, typer.Option(help="Corpus size: bytes, or with a K, M or G suffix.")] = "600M",
+    roots: Annotated[list[Path] | None, typer.Option(
+        "--roots", help="A folder to read instead of this Python's stdlib, purelib and platlib; repeat for more.")
+    ] = None,
+) -> None:
+    """The text files of this Python installation (the standard library and the installed packages'
+    sources and documentation), shuffled whole documents, `</s>` between them: no network needed."""
+    size = _parse_size(max_bytes)
+    with _progress_session("interrupted: nothing was written") as progress:
+        built = python_sources.build(out, size, roots, progress=progress)
+    tokenizer = (f"nanoeuler-run tokenizer train {built.corpus} --vocab-size 4096 --sample-bytes 100000000 "
+                 f"--out {out / 'tokenizer.json'}")
+    _report_corpus(built.corpus, f"{built.documents:,} documents, SHA-256 {built.sha256[:12]}, manifest "
+                                 f"{built.manifest.name}", f"train its tokenizer: {tokenizer}")
 
 
 @app.command()
@@ -65,7 +86,7 @@ def alpaca(
     url: Annotated[str, typer.Option(help="Where to download alpaca_data.json from.")] = datasets.ALPACA_URL,
 ) -> None:
     """The Stanford Alpaca instruction set, validated, as JSONL for supervised fine-tuning."""
-    with _download_session() as progress:
+    with _progress_session() as progress:
         path = datasets.alpaca(out, url=url, progress=progress)
     with open(path, encoding="utf-8") as lines:
         examples = sum(1 for _ in lines)
@@ -79,14 +100,16 @@ def hellaswag(
     url: Annotated[str, typer.Option(help="Where to download hellaswag_val.jsonl from.")] = datasets.HELLASWAG_URL,
 ) -> None:
     """The HellaSwag validation set (10,042 items), checked against its pinned SHA-256."""
-    with _download_session() as progress:
+    with _progress_session() as progress:
         path = datasets.hellaswag(out, url=url, progress=progress)
     typer.echo(f"HellaSwag validation set in {path}; score a run on it: nanoeuler-run eval RUN_DIR --task hellaswag "
                f"--data {path}")
 
 
 @contextmanager
-def _download_session() -> Iterator[datasets.Progress]:
+def _progress_session(
+    interrupted: str = "interrupted: partial downloads are kept and resume on the next run",
+) -> Iterator[datasets.Progress]:
     """A progress display on stderr; failures become one line on stderr and a non-zero exit."""
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -103,13 +126,13 @@ def _download_session() -> Iterator[datasets.Progress]:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        typer.echo("interrupted: partial downloads are kept and resume on the next run", err=True)
+        typer.echo(interrupted, err=True)
         raise typer.Exit(130) from None
 
 
-def _report_corpus(corpus: Path, contents: str) -> None:
-    typer.echo(f"Corpus: {corpus} ({decimal(corpus.stat().st_size)}, {contents}); train on it: "
-               f"nanoeuler-run pretrain --corpus {corpus}")
+def _report_corpus(corpus: Path, contents: str, next_step: str | None = None) -> None:
+    next_step = next_step or f"train on it: nanoeuler-run pretrain --corpus {corpus}"
+    typer.echo(f"Corpus: {corpus} ({decimal(corpus.stat().st_size)}, {contents}); {next_step}")
 
 
 def _parse_book_ids(text: str) -> list[int]:

@@ -1,8 +1,11 @@
 """Corpus -> token ids (encoded once, cached next to the corpus) and the random-window batch loader.
 
-A corpus is UTF-8 text. A line that is exactly `</s>` separates documents (the FineWeb slice is
-written that way): it becomes the tokenizer's `eos_id`, so the model learns where a document ends
-and generation can stop there. Everything else is encoded as it stands.
+A corpus is UTF-8 text. A line that is exactly `</s>` separates documents (the FineWeb slice and
+the Python corpus are written that way): it becomes the tokenizer's `eos_id`, so the model learns
+where a document ends and generation can stop there. Everything else is encoded as it stands.
+
+The last `val_fraction` of the ids are held out, from the first document boundary there: no
+document is split between training and validation (see `split_at_document`).
 
 The ids are cached as `<corpus>.<tokenizer hash[:12]>.tokens`:
 
@@ -51,7 +54,8 @@ class TokenizerLike(Protocol):
 
 @dataclass(frozen=True)
 class TokenSplits:
-    """A corpus's ids: the first part for training, the last `val_fraction` for validation."""
+    """A corpus's ids: the first part for training, about the last `val_fraction` for validation,
+    cut at a document boundary where there is one (`split_at_document`)."""
 
     corpus: Path
     train: np.ndarray  # uint16
@@ -79,7 +83,8 @@ def cache_paths(corpus: Path, tok: TokenizerLike) -> list[Path]:
 
 
 def load_tokens(corpus: Path, tok: TokenizerLike, *, val_fraction: float = 0.1) -> TokenSplits:
-    """Token ids of `corpus`, from the cache when it is still valid, else encoded and cached."""
+    """Token ids of `corpus` (from the cache when it is still valid, else encoded and cached), split
+    into training and held-out ids by `split_at_document`."""
     corpus = Path(corpus)
     if tok.vocab_size > MAX_VOCAB:
         raise ValueError(f"vocab_size {tok.vocab_size} does not fit uint16 token ids (at most {MAX_VOCAB})")
@@ -104,8 +109,24 @@ def load_tokens(corpus: Path, tok: TokenizerLike, *, val_fraction: float = 0.1) 
         ids = encode_corpus(corpus, tok)
         cache = _write_cache_somewhere(cache_paths(corpus, tok), ids, *expected)
 
+    cut = split_at_document(ids, tok.eos_id, val_fraction)
+    return TokenSplits(corpus, ids[:cut], ids[cut:], cache)
+
+
+def split_at_document(ids: np.ndarray, eos_id: int, val_fraction: float) -> int:
+    """Where the held-out ids start: the last `val_fraction` of them, the cut moved forward to just
+    after the first `eos_id` at or after it, so that no document spans training and validation.
+
+    The cut stays where it is when the held-out ids hold no `eos_id` before their last id (a corpus
+    without separators, or one whose last document is longer than the held-out part); an `eos_id`
+    just before the cut already marks a boundary."""
     n_val = int(round(len(ids) * val_fraction))
-    return TokenSplits(corpus, ids[: len(ids) - n_val], ids[len(ids) - n_val :], cache)
+    cut = len(ids) - n_val
+    if n_val == 0:
+        return cut
+    # ids[cut - 1] is the last training id; an eos at the very end would leave nothing held out
+    ends = np.flatnonzero(ids[cut - 1 : len(ids) - 1] == eos_id)
+    return cut + int(ends[0]) if len(ends) else cut
 
 
 def check_length(splits: TokenSplits, ctx_len: int) -> None:
