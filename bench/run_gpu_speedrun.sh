@@ -5,7 +5,7 @@
 # runs, one per GPU at once (a GPU takes its runs one after another where there are more runs than
 # GPUs), and report. Run from the project's root with .whl/ beside it (bench/gpu_env.sh):
 #   STEPS=12000 bash bench/run_gpu_speedrun.sh LOG_DIR [NAME=CONTENDER[,ARG...] ...]
-# e.g. `muon-lr-2e-3=nanoeuler-muon,--muon-lr,2e-3`; by default the four contenders of
+# e.g. `muon-lr-2e-3=nanoeuler-muon,--muon-lr,2e-3` (a run's own arguments come last, so they win); by default the four contenders of
 # bench/speedrun.py under their own names. STEPS (12000), EVAL_EVERY (STEPS / 40), CORPUS_BYTES
 # (600M) and TRAIN_ARGS (more arguments for every run) set the rest; RUN_LIMIT bounds each run (s).
 # Logs: LOG_DIR/<name>.log, LOG_DIR/runs/<name>/ (metrics), LOG_DIR/report.txt and speedrun.png.
@@ -49,9 +49,9 @@ for gpu in $(seq 0 $((gpus - 1))); do
             name=${specs[$i]%%=*}
             IFS=, read -r -a args <<< "${specs[$i]#*=}"
             CUDA_VISIBLE_DEVICES=$gpu NUMBA_CACHE_DIR=/tmp/numba-cache.$gpu timeout "${RUN_LIMIT:-590}" \
-                python3 bench/speedrun.py train "${args[@]}" --corpus "$corpus" --tokenizer "$tokenizer" \
-                --steps "$steps" --eval-every "${EVAL_EVERY:-$((steps / 40))}" --out "$log_dir/runs/$name" \
-                ${TRAIN_ARGS:-} > "$log_dir/$name.log" 2>&1
+                python3 bench/speedrun.py train --corpus "$corpus" --tokenizer "$tokenizer" --steps "$steps" \
+                --eval-every "${EVAL_EVERY:-$((steps / 40))}" --out "$log_dir/runs/$name" ${TRAIN_ARGS:-} "${args[@]}" \
+                > "$log_dir/$name.log" 2>&1
         done
     ) &
 done
