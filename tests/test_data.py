@@ -172,7 +172,8 @@ def test_held_out_split_stays_where_no_document_ends_in_it(corpus, text, val_ids
 
 def test_corpus_is_encoded_in_chunks_cut_at_line_ends(corpus, monkeypatch):
     monkeypatch.setattr(data, "CHUNK_CHARS", 50)
-    monkeypatch.setattr(data, "CHUNKS_PER_BATCH", 3)
+    monkeypatch.setattr(data, "CHUNKS_PER_CORE", 1)
+    monkeypatch.setattr(data, "available_cores", lambda: 3)   # batches of 3 chunks
     tok = ByteTokenizer()
     splits = data.load_tokens(corpus, tok)
     assert len(tok.encoded_texts) > 3

@@ -33,6 +33,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from nanoeuler_core.engine.checkpoint import atomic_write
+from nanoeuler_core.text.worker_pool import available_cores
 
 DOC_SEPARATOR = "</s>"
 CACHE_MAGIC = b"NEULTOKS"
@@ -41,7 +42,7 @@ CACHE_VERSION = 1
 CACHE_HEADER = struct.Struct("<8sI128sQ32sQ32s")
 MAX_VOCAB = 1 << 16  # ids are stored as uint16
 CHUNK_CHARS = 1 << 20  # corpus text is encoded in chunks of about this size, cut at line ends
-CHUNKS_PER_BATCH = 16  # chunks handed to one encode_batch call (it spreads them over the cores)
+CHUNKS_PER_CORE = 8  # chunks handed to one encode_batch call, per core (it starts a pool of processes each call)
 
 
 class TokenizerLike(Protocol):
@@ -158,7 +159,7 @@ def encode_corpus(corpus: Path, tok: TokenizerLike) -> np.ndarray:
     try:
         for chunk in _corpus_chunks(corpus):
             batch.append(chunk)
-            if len(batch) == CHUNKS_PER_BATCH:
+            if len(batch) == CHUNKS_PER_CORE * available_cores():
                 flush()
         flush()
     except UnicodeDecodeError as e:
