@@ -253,10 +253,16 @@ def test_tensor_core_kernels_compile_for_hopper():
     warpgroup forward) and this file's, and the decoding kernels (attention, and the matrix
     products on the tensor cores) with their overlap instructions, to sm_90a PTX (as Numba builds
     for Hopper) through NVVM, in a process without the simulator: no GPU needed."""
+    assert compiled_without_simulator(HOPPER_COMPILE).count("compiled") == 2 + 2 * 3 + 1 + 2 + 2
+
+
+def compiled_without_simulator(script: str) -> str:
+    """The output of `script`, run in a process without the simulator from the repository root; the
+    test is skipped where the script exits 77 (no CUDA toolkit) and fails where it fails."""
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    result = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], cwd=os.path.dirname(os.path.dirname(__file__)),
+    result = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.dirname(__file__)),
                             env=env, capture_output=True, text=True, timeout=600)
     if result.returncode == 77:
         pytest.skip("no CUDA toolkit (NVVM) on this machine")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 2 + 2 * 3 + 1 + 2 + 2
+    return result.stdout

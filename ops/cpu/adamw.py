@@ -16,6 +16,15 @@ def _sum_squares(grads):
     return total
 
 
+def global_norm(grads, reduce_sum_squares=None):
+    """sqrt(sum of grads^2), float64, the sum all-reduced by `reduce_sum_squares` first where given
+    (the optimizers' clipping norm)."""
+    sum_squares = np.array([_sum_squares(grads)])
+    if reduce_sum_squares is not None:
+        reduce_sum_squares(sum_squares)
+    return np.sqrt(sum_squares[0])
+
+
 @njit(parallel=True, cache=True)
 def _update(params, grads, m, v, norm, lr, step, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm):
     # params, grads, m, v (P,); norm float64; the hyperparameters float32, n_decay int;
@@ -42,10 +51,7 @@ def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_de
             reduce_sum_squares=None):
     check_buffers(params, grads, m, v, sched, n_decay)
     lr, step = sched
-    sum_squares = np.array([_sum_squares(grads)])
-    if reduce_sum_squares is not None:
-        reduce_sum_squares(sum_squares)
-    norm = np.sqrt(sum_squares[0])
+    norm = global_norm(grads, reduce_sum_squares)
     f32 = np.float32
     _update(params, grads, m, v, norm, f32(lr), f32(step), f32(beta1), f32(beta2), f32(eps),
             f32(weight_decay), n_decay, f32(max_grad_norm))

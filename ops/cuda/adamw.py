@@ -94,18 +94,25 @@ def _update(params, grads, m, v, sched, sum_squares, norm_out, beta1, beta2, eps
             params[i] = p - lr * mhat / (math.sqrt(vhat) + eps)
 
 
-def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm,
-            reduce_sum_squares=None):
-    check_buffers(params, grads, m, v, sched, n_decay)
-    size = params.shape[0]
-    blocks = min(MAX_PARTIALS, runtime.blocks_for(size, THREADS))
+def global_sum_squares(grads, reduce_sum_squares=None):
+    """The sum of grads^2 as a (1,) float64 device array, all-reduced in place by
+    `reduce_sum_squares` where given (launches 1 and 2: the optimizers' clipping norm)."""
+    blocks = min(MAX_PARTIALS, runtime.blocks_for(grads.shape[0], THREADS))
     partial = runtime.empty((blocks,), np.float64)
     sum_squares = runtime.empty((1,), np.float64)
-    norm = runtime.empty((1,), params.dtype)
     runtime.launch(_sum_squares, blocks, THREADS, grads, partial)
     runtime.launch(_total, 1, THREADS, partial, sum_squares)
     if reduce_sum_squares is not None:
         reduce_sum_squares(sum_squares)
+    return sum_squares
+
+
+def forward(params, grads, m, v, sched, *, beta1, beta2, eps, weight_decay, n_decay, max_grad_norm,
+            reduce_sum_squares=None):
+    check_buffers(params, grads, m, v, sched, n_decay)
+    size = params.shape[0]
+    sum_squares = global_sum_squares(grads, reduce_sum_squares)
+    norm = runtime.empty((1,), params.dtype)
     runtime.launch(_update, runtime.blocks_for(size, THREADS * ELEMENTS), THREADS, params, grads, m, v, sched,
                    sum_squares, norm, float32(beta1), float32(beta2), float32(eps), float32(weight_decay), n_decay,
                    float32(max_grad_norm))

@@ -3,7 +3,8 @@ or a Numba shared-memory tiled kernel where the device has no cuBLAS (nvmath abs
 
 Operands are float32 (exact, or on the TF32 tensor cores with `tf32`) or bf16 storage (tensor
 cores, float32 accumulation); the output is float32 or bf16, whichever `out` is. With `accumulate`, the product is added to what `out` holds (cuBLAS's beta = 1),
-as the gradient buffers are.
+as the gradient buffers are. `matmul_batched` takes a batch of products of one shape in one call, with
+cuBLAS's general alpha and beta.
 
 cuBLAS is column-major. A row-major (r, c) buffer read column-major is its transpose, so the
 row-major product out = op(a) @ op(b) is the column-major out^T = op(b)^T op(a)^T: call gemm
@@ -53,13 +54,15 @@ def uses_cublas() -> bool:
 
 
 @cuda.jit(cache=True)
-def _matmul_tiled(a, b, out, trans_a, trans_b, accumulate):
-    # op(a) (M, K), op(b) (K, N) -> out (M, N) (+ out with accumulate), op = transpose where the flag is set;
-    # one TILE x TILE tile of out per block, K walked in TILE steps through shared memory
+def _matmul_tiled(a, b, out, trans_a, trans_b, alpha, beta):
+    # op(a[z]) (M, K), op(b[z]) (K, N) -> out[z] (M, N) = alpha op(a[z]) op(b[z]) + beta out[z] for the
+    # batch z on grid z, op = transpose where the flag is set (out is not read where beta = 0);
+    # one TILE x TILE tile of out[z] per block, K walked in TILE steps through shared memory
     a_tile = cuda.shared.array((TILE, TILE), float32)
     b_tile = cuda.shared.array((TILE, TILE), float32)
-    M, N = out.shape
-    K = a.shape[0] if trans_a else a.shape[1]
+    M, N = out.shape[1], out.shape[2]
+    K = a.shape[1] if trans_a else a.shape[2]
+    z = cuda.blockIdx.z
     tx = cuda.threadIdx.x
     ty = cuda.threadIdx.y
     row = cuda.blockIdx.y * TILE + ty
@@ -68,17 +71,38 @@ def _matmul_tiled(a, b, out, trans_a, trans_b, accumulate):
     for k0 in range(0, K, TILE):
         ka = k0 + tx
         kb = k0 + ty
-        a_tile[ty, tx] = to_f32(a[ka, row] if trans_a else a[row, ka]) if row < M and ka < K else float32(0.0)
-        b_tile[ty, tx] = to_f32(b[col, kb] if trans_b else b[kb, col]) if col < N and kb < K else float32(0.0)
+        a_tile[ty, tx] = to_f32(a[z, ka, row] if trans_a else a[z, row, ka]) if row < M and ka < K else float32(0.0)
+        b_tile[ty, tx] = to_f32(b[z, col, kb] if trans_b else b[z, kb, col]) if col < N and kb < K else float32(0.0)
         cuda.syncthreads()
         for kk in range(TILE):
             acc += a_tile[ty, kk] * b_tile[kk, tx]
         cuda.syncthreads()
     if row < M and col < N:
-        out[row, col] = stored(out, acc + to_f32(out[row, col]) if accumulate else acc)
+        acc *= alpha
+        if beta != float32(0.0):
+            acc += beta * to_f32(out[z, row, col])
+        out[z, row, col] = stored(out, acc)
+
+
+def _tiled(a, b, out, trans_a, trans_b, alpha, beta) -> None:
+    # the fallback kernel's launch over (n, r, k) arrays: one block per tile of each out[z]
+    n, M, N = out.shape
+    blocks = (runtime.blocks_for(N, TILE), runtime.blocks_for(M, TILE), n)
+    runtime.launch(_matmul_tiled, blocks, (TILE, TILE), a, b, out, trans_a, trans_b, float32(alpha), float32(beta))
 
 
 CUDA_R_32F, CUDA_R_16BF = 0, 14   # cudaDataType
+
+
+def _types(cublas, a, out, tf32):
+    # (operand type, output type, compute type) of a product of a's storage into out's
+    low = a.dtype == BF16
+    compute = cublas.ComputeType.COMPUTE_32F_FAST_TF32 if tf32 and not low else cublas.ComputeType.COMPUTE_32F
+    return CUDA_R_16BF if low else CUDA_R_32F, CUDA_R_16BF if out.dtype == BF16 else CUDA_R_32F, compute
+
+
+def _op(cublas, trans):
+    return cublas.Operation.T if trans else cublas.Operation.N
 
 
 def matmul(a, b, out, trans_a: bool = False, trans_b: bool = False, accumulate: bool = False,
@@ -89,15 +113,31 @@ def matmul(a, b, out, trans_a: bool = False, trans_b: bool = False, accumulate: 
     K = a.shape[0] if trans_a else a.shape[1]
     cublas = DEVICE.cublas_bindings()
     if cublas is None:
-        blocks = (runtime.blocks_for(N, TILE), runtime.blocks_for(M, TILE))
-        runtime.launch(_matmul_tiled, blocks, (TILE, TILE), a, b, out, trans_a, trans_b, accumulate)
+        _tiled(a.reshape(1, *a.shape), b.reshape(1, *b.shape), out.reshape(1, M, N), trans_a, trans_b, 1.0,
+               1.0 if accumulate else 0.0)
         return
-    low = a.dtype == BF16
-    compute = cublas.ComputeType.COMPUTE_32F_FAST_TF32 if tf32 and not low else cublas.ComputeType.COMPUTE_32F
-    op = {False: cublas.Operation.N, True: cublas.Operation.T}
-    ab_type = CUDA_R_16BF if low else CUDA_R_32F
-    out_type = CUDA_R_16BF if out.dtype == BF16 else CUDA_R_32F
-    cublas.gemm_ex(handle_for(runtime.stream_handle()), op[trans_b], op[trans_a], N, M, K, _ONE.ctypes.data,
-                   b.device_ctypes_pointer.value, ab_type, b.shape[1], a.device_ctypes_pointer.value, ab_type,
-                   a.shape[1], (_ONE if accumulate else _ZERO).ctypes.data, out.device_ctypes_pointer.value, out_type, N, compute,
-                   cublas.GemmAlgo.DEFAULT)
+    ab_type, out_type, compute = _types(cublas, a, out, tf32)
+    cublas.gemm_ex(handle_for(runtime.stream_handle()), _op(cublas, trans_b), _op(cublas, trans_a), N, M, K,
+                   _ONE.ctypes.data, b.device_ctypes_pointer.value, ab_type, b.shape[1], a.device_ctypes_pointer.value,
+                   ab_type, a.shape[1], (_ONE if accumulate else _ZERO).ctypes.data, out.device_ctypes_pointer.value,
+                   out_type, N, compute, cublas.GemmAlgo.DEFAULT)
+
+
+def matmul_batched(a, b, out, trans_b: bool = False, alpha: float = 1.0, beta: float = 0.0) -> None:
+    """out[z] (M, N) = alpha a[z] @ op(b[z]) + beta out[z] for each z of contiguous (n, r, k)
+    device arrays (op(b) = b^T with trans_b), a and b of one storage; out is not read where beta
+    = 0. One cuBLAS strided-batched call (alpha and beta are host scalars, taken as the call is
+    made, so a captured graph keeps them)."""
+    n, M, N = out.shape
+    K = a.shape[2]
+    cublas = DEVICE.cublas_bindings()
+    if cublas is None:
+        _tiled(a, b, out, False, trans_b, alpha, beta)
+        return
+    ab_type, out_type, compute = _types(cublas, a, out, False)
+    alpha, beta = np.array(alpha, np.float32), np.array(beta, np.float32)
+    cublas.gemm_strided_batched_ex(
+        handle_for(runtime.stream_handle()), _op(cublas, trans_b), cublas.Operation.N, N, M, K, alpha.ctypes.data,
+        b.device_ctypes_pointer.value, ab_type, b.shape[2], b.shape[1] * b.shape[2],
+        a.device_ctypes_pointer.value, ab_type, K, M * K, beta.ctypes.data,
+        out.device_ctypes_pointer.value, out_type, N, M * N, n, compute, cublas.GemmAlgo.DEFAULT)
