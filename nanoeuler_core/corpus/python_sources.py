@@ -14,6 +14,7 @@ import importlib.metadata
 import os
 import platform
 import re
+import sys
 import sysconfig
 from collections import Counter, deque
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -61,8 +62,13 @@ class PythonCorpus:
 
 
 def default_roots() -> list[Path]:
-    """This Python's standard library, purelib and platlib folders, each once, in that order."""
-    return _unique_real_folders(Path(sysconfig.get_path(name)) for name in ("stdlib", "purelib", "platlib"))
+    """This Python's standard library, purelib and platlib folders, then every other package folder
+    it imports from (a site-packages or dist-packages folder on sys.path: a virtual environment that
+    sees another installation's packages through a .pth file reads those too), each once, in that
+    order."""
+    own = [Path(sysconfig.get_path(name)) for name in ("stdlib", "purelib", "platlib")]
+    seen = [Path(p) for p in sys.path if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+    return _unique_real_folders(own + seen)
 
 
 def build(out: Path, max_bytes: int, roots: Sequence[Path] | None = None, *, progress: Progress | None = None,
