@@ -195,7 +195,7 @@ def test_cli_builds_the_corpus_and_names_the_next_command(roots, tmp_path):
     line = result.stdout.strip()
     sha256 = downloads.read_manifest(out)["python.txt"]
     assert "\n" not in line and f"{len(GOOD)} documents" in line and sha256[:12] in line
-    assert (f"nanoeuler-run tokenizer train {out / 'python.txt'} --vocab-size 4096 --sample-bytes 100000000 "
+    assert (f"nanoeuler-run tokenizer train {out / 'python.txt'} --vocab-size 4096 --sample-bytes 50000000 "
             f"--out {out / 'tokenizer.json'}") in line
 
 

@@ -72,8 +72,8 @@ def test_target_loss_stops_at_the_first_evaluation_that_reaches_it(corpus_and_to
     run = train.start_run(tmp_path / "run", config(corpus_and_tokenizer, steps=12, eval_every=3, ckpt_every=100,
                                                    target_loss=50.0), quiet)
     row, interrupted = train.train(run, said.append)
-    assert row["step"] == 3 and row["val_loss"] <= 50.0 and not interrupted
-    assert any(line.startswith("reached held-out loss") and "at step 3" in line for line in said), said
+    assert row["step"] == 3 and row["val_next_token_loss"] <= 50.0 and not interrupted
+    assert any(line.startswith("reached held-out next-token loss") and "at step 3" in line for line in said), said
     assert train.resume_run(tmp_path / "run", {}, quiet).optimizer.step_count == 3   # checkpointed there
     unreachable = train.start_run(tmp_path / "far", config(corpus_and_tokenizer, steps=6, eval_every=3,
                                                            target_loss=1e-3), quiet)

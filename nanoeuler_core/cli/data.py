@@ -74,7 +74,7 @@ def python_sources_corpus(
     size = _parse_size(max_bytes)
     with _progress_session("interrupted: nothing was written") as progress:
         built = python_sources.build(out, size, roots, progress=progress)
-    tokenizer = (f"nanoeuler-run tokenizer train {built.corpus} --vocab-size 4096 --sample-bytes 100000000 "
+    tokenizer = (f"nanoeuler-run tokenizer train {built.corpus} --vocab-size 4096 --sample-bytes 50000000 "
                  f"--out {out / 'tokenizer.json'}")
     _report_corpus(built.corpus, f"{built.documents:,} documents, SHA-256 {built.sha256[:12]}, manifest "
                                  f"{built.manifest.name}", f"train its tokenizer: {tokenizer}")

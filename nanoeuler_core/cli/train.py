@@ -52,7 +52,7 @@ def pretrain(
                                                 "for the blocks' matrices, AdamW for the embeddings, heads and norms"),
     muon_lr: Optional[float] = typer.Option(None, help="with --optimizer muon: the Muon group's peak learning rate "
                                                        "(default: --lr), on the same schedule"),
-    target_loss: Optional[float] = typer.Option(None, help="stop once the held-out loss (checked every --eval-every "
+    target_loss: Optional[float] = typer.Option(None, help="stop once the held-out next-token loss (checked every --eval-every "
                                                            "steps) reaches this, with a checkpoint, and print the time"),
     time_budget: Optional[float] = typer.Option(None, help="train for this many minutes (no --steps limit unless "
                                                            "given): the schedule is laid over them, its decay ending "

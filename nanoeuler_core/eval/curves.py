@@ -99,15 +99,16 @@ def plot_runs(run_dirs: list[Path], out: Path, x: str = "tokens") -> Path:
     loss_ax, lr_ax = axes[0], axes[1]
     for run, color in zip(runs, colors):
         tokens, loss = run.series("loss")
-        loss_ax.plot(tokens, loss, color=color, alpha=0.25, linewidth=0.8)
-        window = max(1, len(loss) // 50)
-        loss_ax.plot(tokens, moving_average(loss, window), color=color, linewidth=1.6, label=f"{run.name} train")
+        if loss.size:   # (a benchmark's rows may hold evaluations only)
+            loss_ax.plot(tokens, loss, color=color, alpha=0.25, linewidth=0.8)
+            window = max(1, len(loss) // 50)
+            loss_ax.plot(tokens, moving_average(loss, window), color=color, linewidth=1.6, label=f"{run.name} train")
         tokens, val = run.series("val_loss")
         if val.size:
             loss_ax.plot(tokens, val, color=color, linestyle="--", marker="o", markersize=3.5, linewidth=1.2,
                          label=f"{run.name} validation")
         lr_ax.plot(*run.series("lr"), color=color, linewidth=1.4, label=run.name)
-    loss_ax.set_ylabel("loss (nats, mean of the heads)")
+    loss_ax.set_ylabel("loss (nats)")
     loss_ax.set_title("training (moving average over the faint raw steps) and validation loss")
     loss_ax.legend(fontsize="small", ncols=2 if len(runs) > 2 else 1)
     lr_ax.set_ylabel("learning rate")

@@ -54,7 +54,7 @@ class TrainConfig:
     decay_steps: int | None = None      # the schedule's horizon; default: steps
     schedule: str = "cosine"            # or "wsd": warmup-stable-decay (engine/optim.py lr_at)
     optimizer: str = "adamw"            # or "muon": Muon for the blocks' matrices, AdamW for the rest
-    target_loss: float | None = None    # stop (with a checkpoint) once the held-out loss reaches it
+    target_loss: float | None = None    # stop (with a checkpoint) once the held-out next-token loss reaches it
     time_budget: float | None = None    # minutes of training: the schedule laid over them, ending with them
     final_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -408,7 +408,7 @@ def train(run: Run, log: Callable[[str], None] = print,
     row: dict = {}
     val_loss = val_next = float("nan")
     start, first_step = time.perf_counter(), opt.step_count
-    reached = False   # the held-out loss is at tc.target_loss or below
+    reached = False   # the held-out next-token loss (head 0's, as other engines report it) is at tc.target_loss or below
     budget_ms = None if tc.time_budget is None else round(tc.time_budget * 60_000)
     spent = budget_ms is not None and 1000 * run.elapsed >= budget_ms   # (a resumed run may have used it up)
     with Bookkeeping(run, "training") as book:
@@ -432,7 +432,7 @@ def train(run: Run, log: Callable[[str], None] = print,
             if step % tc.eval_every == 0 or step == tc.steps or spent:
                 val_loss, val_next = evaluate(run)
                 row["val_loss"], row["val_next_token_loss"] = round(val_loss, 5), round(val_next, 5)
-                reached = tc.target_loss is not None and val_loss <= tc.target_loss
+                reached = tc.target_loss is not None and val_next <= tc.target_loss
             for every, extra_metrics in extra_evals:
                 if step % every == 0 or step == tc.steps:
                     row |= extra_metrics(model)
@@ -446,7 +446,7 @@ def train(run: Run, log: Callable[[str], None] = print,
         log(f"time budget of {tc.time_budget:g} min spent at step {opt.step_count}" +
             (f", after {opt.step_count * tokens_per_step:,} tokens; held-out loss {val_loss:.4f}" if row else ""))
     if reached:
-        log(f"reached held-out loss {val_loss:.4f} (target {tc.target_loss}) at step {opt.step_count}, after "
+        log(f"reached held-out next-token loss {val_next:.4f} (target {tc.target_loss}) at step {opt.step_count}, after "
             f"{row['time']:.1f} s of training and {opt.step_count * tokens_per_step:,} tokens")
     if book.interrupted:
         log(f"interrupted: checkpoint at step {opt.step_count} saved in {run.dir}; continue with --resume {run.dir}")
