@@ -139,6 +139,22 @@ def test_bench_times_training_and_decoding():
     assert "bandwidth, plain: " in decode.stdout and " GB/s" in decode.stdout
 
 
+def test_bench_decodes_a_model_with_one_head_plainly(tmp_path, tok):
+    """An imported model has no multi-token heads: bench runs plain decoding and says why alone."""
+    from nanoeuler_core import Model, ModelConfig
+
+    model = Model(ModelConfig.preset("small", vocab_size=tok.vocab_size, n_mtp=1), seed=0)
+    model.save(tmp_path / "run")
+    tok.save(tmp_path / "run" / "tokenizer.json")
+    decode = run("bench", "--generate", "--run", str(tmp_path / "run"), "--prompt-tokens", "4", "--new-tokens", "8",
+                 "--prefill-tokens", "16", "--steps", "1", "--no-peers")
+    assert decode.returncode == 0, decode.stderr
+    rows = [line.split("  ")[0] for line in decode.stdout.splitlines() if line.startswith("nanoeuler")]
+    assert rows == ["nanoeuler plain"]
+    assert "plain decoding only: the model has one head" in decode.stdout
+    assert "prefill, 16-token prompt x 1: nanoeuler plain " in decode.stdout
+
+
 def test_bench_prompts_come_from_either_end_of_the_corpus(tok):
     from nanoeuler_core.bench.generation import bench_prompt
     from nanoeuler_core.corpus.tokens import default_corpus

@@ -232,6 +232,9 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
     common = dict(preset=preset, run=run_dir, backend=backend, batch_size=batch_size, prompt=prompt, tokens=tokens,
                   repeats=repeats, prompt_from=prompt_from)
     modes = {"nanoeuler plain": False, "nanoeuler speculative": True, "nanoeuler default": None}
+    if cfg.n_mtp == 1:
+        modes = {"nanoeuler plain": False}
+        echo("(plain decoding only: the model has one head, so no extra heads propose tokens to speculate with)")
     ours = run_worker({**common, "engine": "nanoeuler", "temperature": temperature, "modes": list(modes.values()),
                        "weights": weights, "prefill": prefill}, MODULE)
     rows = dict(zip(modes, ours or [None] * len(modes)))
