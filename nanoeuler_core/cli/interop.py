@@ -1,4 +1,4 @@
-"""Hugging Face interoperability commands: `export`, `import`."""
+"""Interoperability commands: `export` (Hugging Face), `import` (Hugging Face or GGUF)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from nanoeuler_core.interop import hf
+from nanoeuler_core.interop import gguf, hf
 
 
 def _log(msg: str) -> None:
@@ -25,15 +25,19 @@ def export_command(
 
 
 def import_command(
-    hf_dir: Path = typer.Argument(..., help="a local Llama-architecture checkpoint directory (config.json, "
-                                            "*.safetensors, tokenizer.json)"),
+    source: Path = typer.Argument(..., help="a local Llama-architecture checkpoint directory (config.json, "
+                                            "*.safetensors, tokenizer.json), or a llama.cpp .gguf file of one "
+                                            "(F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors, dequantized to float32)"),
     out: Path = typer.Argument(..., help="run directory to create"),
     n_mtp: Optional[int] = typer.Option(None, help="output heads (default: the checkpoint's; 1 for a plain Llama); "
                                                    "missing heads start as copies of the first"),
-    ctx_len: Optional[int] = typer.Option(None, help="context length (default: max_position_embeddings)"),
+    ctx_len: Optional[int] = typer.Option(None, help="context length (default: max_position_embeddings, or "
+                                                     "llama.context_length of a .gguf file)"),
 ) -> None:
-    """Turn a Hugging Face Llama checkpoint into a run directory for generate, chat, sft, dpo and pretrain --resume."""
-    hf.import_checkpoint(hf_dir, out, n_mtp=n_mtp, ctx_len=ctx_len, log=_log)
+    """Turn a Hugging Face Llama checkpoint or a Llama .gguf file into a run directory for generate, chat, sft,
+    dpo and pretrain --resume."""
+    read = gguf.import_gguf if source.suffix == ".gguf" else hf.import_checkpoint
+    read(source, out, n_mtp=n_mtp, ctx_len=ctx_len, log=_log)
     typer.echo(f"sample it: nanoeuler-run generate {out} \"Once upon a time\"; fine-tune it: "
                f"nanoeuler-run sft --base {out}")
 
