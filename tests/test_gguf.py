@@ -236,6 +236,9 @@ def test_cli_imports_a_gguf_file_and_refuses_a_missing_one(original, tmp_path, m
     model, tok = original
     code, _, err = run_cli(monkeypatch, capsys, "import", tmp_path / "absent.gguf", tmp_path / "run")
     assert code == 1 and err == f"error: {tmp_path / 'absent.gguf'} not found\n"
+    (tmp_path / "text.gguf").write_text(CORPUS[:1000])
+    code, _, err = run_cli(monkeypatch, capsys, "import", tmp_path / "text.gguf", tmp_path / "run")
+    assert code == 1 and err.count("\n") == 1 and "is not a valid GGUF file (GGUF magic invalid)" in err
     path = write_gguf(tmp_path / "model.gguf", model, tok, types=QUANTIZED)
     code, out, err = run_cli(monkeypatch, capsys, "import", path, tmp_path / "run", "--n-mtp", "2", "--ctx-len", "32")
     assert code == 0 and "nanoeuler-run generate" in out and "dequantized" in err
@@ -244,3 +247,9 @@ def test_cli_imports_a_gguf_file_and_refuses_a_missing_one(original, tmp_path, m
     assert np.array_equal(ours.params["heads.1"], ours.params["heads.0"])
     with pytest.raises(ValueError, match="already holds a run"):
         import_gguf(path, tmp_path / "run", log=lambda m: None)
+
+
+def test_without_the_gguf_package_the_error_names_the_extra(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+    code, _, err = run_cli(monkeypatch, capsys, "import", tmp_path / "model.gguf", tmp_path / "run")
+    assert code == 1 and err == "error: reading .gguf files needs the gguf package: pip install 'nanoeuler[gguf]'\n"
