@@ -25,7 +25,8 @@ CORPUS = (Path(__file__).parents[1] / "data" / "tinyshakespeare.txt").read_text(
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}" \
            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 QUANTIZED = {"token_embd.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q8_0, "blk.0.attn_k.weight": Q.Q4_1,
-             "blk.1.attn_k.weight": Q.Q8_0, "blk.1.ffn_down.weight": Q.Q4_1, "output.weight": Q.Q4_1}
+             "blk.1.attn_k.weight": Q.Q8_0, "blk.1.ffn_down.weight": Q.Q4_1, "output.weight": Q.Q4_1,
+             "blk.1.attn_v.weight": Q.F16, "blk.0.ffn_up.weight": Q.BF16, "blk.1.attn_output.weight": Q.Q4_0}
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -61,8 +62,10 @@ def gguf_tensors(model: Model, types: dict) -> dict[str, tuple[np.ndarray, int]]
     return tensors
 
 
-def write_gguf(path: Path, model: Model, tok: Tokenizer, types: dict | None = None, arch: str = "llama", pre: str = "gpt-2",
-               tied: bool = False, drop: str | None = None, reshape: str | None = None, **extra) -> Path:
+def write_gguf(path: Path, model: Model, tok: Tokenizer, types: dict | None = None, arch: str = "llama",
+               pre: str = "gpt-2", tied: bool = False, drop: str | None = None, reshape: str | None = None,
+               **extra) -> Path:
+    """A GGUF file of `model` and `tok` as llama.cpp's converter writes it; the other arguments spoil it."""
     cfg = model.cfg
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.n_layers)
@@ -91,7 +94,7 @@ def write_gguf(path: Path, model: Model, tok: Tokenizer, types: dict | None = No
             continue
         if name == reshape:
             data = data.reshape(data.shape[1], data.shape[0])
-        writer.add_tensor(name, data, raw_dtype=None if kind == Q.F32 else kind)
+        writer.add_tensor(name, data, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -144,7 +147,7 @@ def test_quantized_tensors_are_dequantized_and_q_k_unpermuted(original, tmp_path
     # quantization noise only: Q8_0 and Q4_1 weights stay near the originals
     assert np.abs(ours.params["layers.0.wq"] - model.params["layers.0.wq"]).max() < 0.01
     assert [m for m in messages if "dequantized" in m] == ["dequantized to float32 (nanoeuler has no quantized "
-                                                           "weights): 3 Q4_1 tensors, 3 Q8_0 tensors"]
+                                                           "weights): 1 BF16, 1 F16, 1 Q4_0, 3 Q4_1, 3 Q8_0 tensors"]
 
 
 def test_unpermuted_q_and_k_under_hf_rope_give_llama_cpp_attention_scores():

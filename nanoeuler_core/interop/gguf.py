@@ -20,21 +20,18 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from nanoeuler_core.engine import checkpoint
-from nanoeuler_core.engine.checkpoint import FORMAT, CheckpointError
+from nanoeuler_core.engine.checkpoint import CheckpointError
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.inference.template import ChatTemplate, TemplateError
-from nanoeuler_core.interop.hf import model_config_from_hf
+from nanoeuler_core.interop.hf import check_import_options, model_config_from_hf, write_imported_run
 from nanoeuler_core.text.base_tokenizer import TokenizerError
 from nanoeuler_core.text.hf_json import byte_level_document
 from nanoeuler_core.text.hf_tokenizer import HFTokenizer
-from nanoeuler_core.training.pretrain import TrainConfig
 
 _FIXED_NAMES = {"token_embd.weight": "tok_emb", "output_norm.weight": "norm", "output.weight": "heads.0"}
 _LAYER_NAMES = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
@@ -250,12 +247,7 @@ def import_gguf(path: Path, out_dir: Path, n_mtp: int | None = None, ctx_len: in
         raise CheckpointError("reading .gguf files needs the gguf package: pip install 'nanoeuler[gguf]'") from None
     if not path.is_file():
         raise CheckpointError(f"{path} not found")
-    if (out_dir / "config.json").exists():
-        raise ValueError(f"{out_dir} already holds a run: choose another output directory")
-    if n_mtp is not None and n_mtp < 1:
-        raise ValueError(f"--n-mtp must be at least 1, got {n_mtp}")
-    if ctx_len is not None and ctx_len < 1:
-        raise ValueError(f"--ctx-len must be at least 1, got {ctx_len}")
+    check_import_options(out_dir, n_mtp, ctx_len)
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, KeyError, IndexError) as exc:
@@ -277,16 +269,10 @@ def import_gguf(path: Path, out_dir: Path, n_mtp: int | None = None, ctx_len: in
         raise CheckpointError(f"{path}: the file lacks tensor {missing[0]}"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
 
-    training = {**asdict(TrainConfig(preset="gpu", steps=1000)), "imported_from": str(path)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(out_dir / "tokenizer.json")  # with tokenizer_config.json naming its end-of-text token
-    if template is not None:
-        template.save(out_dir)
-    checkpoint.save_tensors(out_dir / "model.safetensors", {name: params[name] for name in cfg.param_shapes()})
-    checkpoint.write_json(out_dir / "config.json", {"format": FORMAT, **cfg.to_dict(), "training": training})
+    write_imported_run(out_dir, cfg, params, tok, template, path)
     if dequantized:
         log("dequantized to float32 (nanoeuler has no quantized weights): "
-            + ", ".join(f"{n} {kind} tensors" for kind, n in sorted(dequantized.items())))
+            + ", ".join(f"{n} {kind}" for kind, n in sorted(dequantized.items())) + " tensors")
     if tied:
         log("the file ties its embeddings and head (no output.weight): head 0 is a copy of token_embd.weight")
     log(f"imported {path} ({cfg.n_params():,} parameters, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "

@@ -290,12 +290,7 @@ def import_checkpoint(hf_dir: Path, out_dir: Path, n_mtp: int | None = None, ctx
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"{hf_dir} is not a directory")
-    if (out_dir / "config.json").exists():
-        raise ValueError(f"{out_dir} already holds a run: choose another output directory")
-    if n_mtp is not None and n_mtp < 1:
-        raise ValueError(f"--n-mtp must be at least 1, got {n_mtp}")
-    if ctx_len is not None and ctx_len < 1:
-        raise ValueError(f"--ctx-len must be at least 1, got {ctx_len}")
+    check_import_options(out_dir, n_mtp, ctx_len)
     config = checkpoint.read_json(hf_dir / "config.json")
     saved = config.get("nanoeuler") or {}
     mtp_file = hf_dir / MTP_FILE
@@ -327,15 +322,7 @@ def import_checkpoint(hf_dir: Path, out_dir: Path, n_mtp: int | None = None, ctx
         log(f"warning: the chat template is not carried over ({exc}); chat with the run needs --template")
         template = None
 
-    # Continued pretraining (`pretrain --resume`) starts at step 0 with fresh AdamW moments and the
-    # settings of the larger preset (peak lr 3e-4); sft and dpo take their own.
-    training = {**asdict(TrainConfig(preset="gpu", steps=1000)), "imported_from": str(hf_dir)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(out_dir / "tokenizer.json")  # with tokenizer_config.json naming its end-of-text token
-    if template is not None:
-        template.save(out_dir)
-    checkpoint.save_tensors(out_dir / "model.safetensors", {name: params[name] for name in expected})
-    checkpoint.write_json(out_dir / "config.json", {"format": FORMAT, **cfg.to_dict(), "training": training})
+    write_imported_run(out_dir, cfg, params, tok, template, hf_dir)
     log(f"imported {hf_dir} ({cfg.n_params():,} parameters, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
         f"context {cfg.ctx_len}, {n_mtp} head(s)"
         + (f", heads 1..{n_mtp - 1} copied from head 0" if n_mtp > len(extra_heads) + 1 else "")
@@ -345,6 +332,30 @@ def import_checkpoint(hf_dir: Path, out_dir: Path, n_mtp: int | None = None, ctx
             f"({', '.join(f'0x{b:02x}' for b in tok.missing_bytes)}): text loses them when encoded, as in "
             f"Hugging Face tokenizers")
     return out_dir
+
+
+def check_import_options(out_dir: Path, n_mtp: int | None, ctx_len: int | None) -> None:
+    """Refuse an output directory that already holds a run, and fewer than one head or position."""
+    if (out_dir / "config.json").exists():
+        raise ValueError(f"{out_dir} already holds a run: choose another output directory")
+    if n_mtp is not None and n_mtp < 1:
+        raise ValueError(f"--n-mtp must be at least 1, got {n_mtp}")
+    if ctx_len is not None and ctx_len < 1:
+        raise ValueError(f"--ctx-len must be at least 1, got {ctx_len}")
+
+
+def write_imported_run(out_dir: Path, cfg: ModelConfig, params: dict[str, np.ndarray], tok, template,
+                       source: Path) -> None:
+    """The run directory of an imported model: tokenizer (and chat template), weights, config.json last."""
+    # Continued pretraining (`pretrain --resume`) starts at step 0 with fresh AdamW moments and the
+    # settings of the larger preset (peak lr 3e-4); sft and dpo take their own.
+    training = {**asdict(TrainConfig(preset="gpu", steps=1000)), "imported_from": str(source)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(out_dir / "tokenizer.json")  # with tokenizer_config.json naming its end-of-text token
+    if template is not None:
+        template.save(out_dir)
+    checkpoint.save_tensors(out_dir / "model.safetensors", {name: params[name] for name in cfg.param_shapes()})
+    checkpoint.write_json(out_dir / "config.json", {"format": FORMAT, **cfg.to_dict(), "training": training})
 
 
 def _import_tokenizer(hf_dir: Path, config: dict) -> Tokenizer | HFTokenizer:
