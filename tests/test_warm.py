@@ -17,7 +17,8 @@ from nanoeuler_ops.cpu import CpuBackend
 
 
 def test_child_runs_the_step_then_decoding():
-    result = subprocess.run([sys.executable, "-m", "nanoeuler_core.cli.warm", "small", "cpu", "fp32", "0", "1", "0.8", "40"],
+    result = subprocess.run([sys.executable, "-m", "nanoeuler_core.cli.warm", "small", "cpu", "fp32", "0", "1", "0.8", "40",
+                             "muon"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [STEP_READY]
@@ -65,6 +66,6 @@ def test_pretrain_with_the_child_beside_it(tmp_path, monkeypatch):
     monkeypatch.setattr(KernelWarmer, "start", recorded)
     result = CliRunner().invoke(app, ["pretrain", "--steps", "2", "--eval-every", "1", "--out", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
-    assert len(started) == 1 and started[0][-7:] == ["small", "cpu", "fp32", "0", "1", "0.8", "40"]
+    assert len(started) == 1 and started[0][-8:] == ["small", "cpu", "fp32", "0", "1", "0.8", "40", "adamw"]
     assert "--- sample" in result.output and (tmp_path / "run" / "model.safetensors").exists()
 
