@@ -170,7 +170,7 @@ def test_backend_gradients_match_reference(backend, tied):
 def test_tied_embeddings_have_no_head_zero_of_their_own():
     untied, tied = ModelConfig.preset("small"), ModelConfig.preset("small", tie_embeddings=True)
     assert "heads.0" not in tied.param_shapes() and "heads.1" in tied.param_shapes()
-    assert tied.n_params() == untied.n_params() - tied.vocab_size * tied.dim
+    assert tied.n_params() == untied.n_params() - tied.vocab_size * tied.dim == 988_288   # docs/model.md
     assert tied.flops_per_token() == untied.flops_per_token()   # the same products: head 0 reads tok_emb
     model = Model(tied, backend="cpu")
     assert model.n_params == tied.n_params()
