@@ -210,7 +210,8 @@ def model_config_from_hf(config: dict, path: Path, n_mtp: int, ctx_len: int | No
             vocab_size=vocab_size, dim=dim, n_layers=get("num_hidden_layers"), n_heads=n_heads,
             n_kv_heads=get("num_key_value_heads", n_heads), hidden_dim=get("intermediate_size"),
             ctx_len=min(positions, ctx_len) if ctx_len and isinstance(positions, int) else positions,
-            n_mtp=n_mtp, tie_embeddings=bool(get("tie_word_embeddings", False)), rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+            n_mtp=n_mtp, tie_embeddings=bool(get("tie_word_embeddings", False)),
+            rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
             norm_eps=float(get("rms_norm_eps", 1e-6)))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: {exc}") from None
