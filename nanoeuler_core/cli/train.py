@@ -69,7 +69,7 @@ def pretrain(
     recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute",
                                              help=RECOMPUTE_HELP + " (default: off; with --resume: the run's own)"),
     tie_embeddings: bool = typer.Option(False, help="head 0 reads the embedding table instead of a matrix of its own "
-                                                    "(Llama's tie_word_embeddings); a new run only"),
+                                                    "(Llama's tie_word_embeddings; with --resume: the run's own)"),
     eval_hellaswag_every: Optional[int] = typer.Option(None, help="HellaSwag acc and acc_norm every N steps "
                                                                   "into metrics.jsonl (default: never)"),
     hellaswag_file: Optional[Path] = typer.Option(None, help="HellaSwag JSONL (default: where `data hellaswag` "
