@@ -52,6 +52,7 @@ def test_gradcheck_passes_and_prints_the_model_table():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "gradcheck passed" in result.stdout
     assert "ok   tok_emb:" in result.stdout and "ok   heads.3:" not in result.stdout  # the tiny model has 2 heads
+    assert "== model, tied embeddings (float64 reference)" in result.stdout
     for name in registry.ops():
         assert f"ok   {name} " in result.stdout
 

@@ -57,11 +57,19 @@ def decode(model, prompts, n, speculative, sampling=Sampling(0.0), seeds=None, e
     return decoder.generate(prompts, n, seeds, eos_id, stats=stats)
 
 
+def tied_twin(model, backend):
+    """The model with tied embeddings: its weights but heads.0, head 0 reading tok_emb."""
+    twin = Model(ModelConfig(**{**model.cfg.to_dict(), "tie_embeddings": True}), backend=backend)
+    twin.load_params({n: w for n, w in model.params.items() if n != "heads.0"})
+    return twin
+
+
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_decoding_matches_the_full_forward(cycle_model, backend):
+def test_decoding_matches_the_full_forward(cycle_model, backend, tied):
     """Greedy decoding through the KV cache (prefill, one token per step, and the window sliding
     when the context is full) picks the argmax of the full forward over the same window."""
-    model = on_backend(cycle_model, backend)
+    model = (tied_twin if tied else on_backend)(cycle_model, backend)
     prompt, ctx = [2, 7, 1], model.cfg.ctx_len
     new = decode(model, [prompt], 40, speculative=False)[0]
     sequence, start = list(prompt), 0
@@ -83,6 +91,13 @@ def test_speculative_greedy_equals_plain_greedy(cycle_model, backend):
     assert all(len(row) == 50 for row in plain)              # past the context: the window slid
     assert 0 < stats.accepted < stats.proposed               # proposals both kept and refused
     assert stats.steps < 50 / 1.5                            # several tokens per step
+
+
+def test_tied_speculative_greedy_equals_plain_greedy(cycle_model):
+    model = tied_twin(cycle_model, "cpu")
+    stats = DecodeStats()
+    assert decode(model, PROMPTS, 20, speculative=True, stats=stats) == decode(model, PROMPTS, 20, speculative=False)
+    assert stats.proposed > 0
 
 
 @pytest.mark.parametrize("speculative", [False, True])

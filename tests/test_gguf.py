@@ -188,10 +188,11 @@ def test_tokenizer_and_chat_template_come_along(original, tmp_path):
     assert template.render([{"role": "user", "content": "Hi"}]) == "<|user|>Hi</s><|assistant|>"
 
 
-def test_tied_embeddings_copy_the_embedding_into_head_zero(original, tmp_path):
+def test_tied_embeddings_stay_tied(original, tmp_path):
     model, tok = original
     ours, _, messages = imported(tmp_path, model, tok, tied=True)
-    assert np.array_equal(ours.params["heads.0"], model.params["tok_emb"])
+    assert ours.cfg.tie_embeddings and "heads.0" not in ours.params   # head 0 reads tok_emb: no copy
+    assert np.array_equal(ours.params["tok_emb"], model.params["tok_emb"])
     assert any("ties its embeddings" in m for m in messages)
 
 

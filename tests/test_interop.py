@@ -77,18 +77,20 @@ def make_run(path: Path, cfg: ModelConfig, tok: Tokenizer, training: dict) -> Mo
     (untrained logits are nearly equal, and argmax would hinge on rounding)."""
     model = Model(cfg, backend="cpu", seed=3)
     params = model.params
-    params["heads.0"] = params["heads.0"] * 40.0
+    head = cfg.head_names()[0]   # tok_emb where the model ties them
+    params[head] = params[head] * 40.0
     model.load_params(params)
     model.save(path, training=training)
     tok.save(path / "tokenizer.json")
     return model
 
 
-@pytest.fixture(scope="module", params=["small", "gpu-shaped"])
+@pytest.fixture(scope="module", params=["small", "small-tied", "gpu-shaped"])
 def exported(request, shakespeare_tokenizers, tmp_path_factory):
     """(our model, tokenizer, export directory, transformers model) for a fine-tuned run of each shape."""
-    if request.param == "small":
-        cfg, tok = ModelConfig.preset("small", rope_theta=20000.0), shakespeare_tokenizers[512]
+    if request.param.startswith("small"):
+        cfg = ModelConfig.preset("small", rope_theta=20000.0, tie_embeddings=request.param == "small-tied")
+        tok = shakespeare_tokenizers[512]
     else:
         cfg, tok = ModelConfig(vocab_size=4096, **GPU_SHAPED), shakespeare_tokenizers[4096]
     folder = tmp_path_factory.mktemp(request.param)
@@ -107,7 +109,9 @@ def test_exported_config_is_spec_layout(exported):
             config["vocab_size"], config["rope_theta"], config["rms_norm_eps"]) == \
         (cfg.dim, cfg.hidden_dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ctx_len, cfg.vocab_size,
          cfg.rope_theta, cfg.norm_eps)
-    assert config["tie_word_embeddings"] is False and config["hidden_act"] == "silu"
+    assert config["tie_word_embeddings"] is cfg.tie_embeddings and config["hidden_act"] == "silu"
+    # tied, as transformers saves a tied Llama: no lm_head.weight
+    assert ("lm_head.weight" in read_safetensors(out / "model.safetensors")) is not cfg.tie_embeddings
     assert sorted(read_safetensors(out / hf.MTP_FILE)) == ["heads.1", "heads.2", "heads.3"]
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == tok.eos_id and generation["max_length"] == cfg.ctx_len
@@ -247,8 +251,7 @@ def test_import_reads_shards_and_ties(imported):
     assert (json.loads((source / "config.json").read_text()).get("dtype") == "bfloat16") == tied
     model, tok = load_model(run)
     assert tok.eos_id == 0 and tok.vocab_size == 384
-    if tied:
-        assert np.array_equal(model.params["heads.0"], model.params["tok_emb"])
+    assert model.cfg.tie_embeddings == tied and ("heads.0" in model.params) is not tied   # tied: no copy
 
 
 def test_imported_logits_equal_transformers(imported, smol_tokenizer):
@@ -264,9 +267,10 @@ def test_export_of_import_gives_back_the_same_tensors(imported, tmp_path):
     hf.export_run(run, tmp_path / "again", log=lambda msg: None)
     original = hf.read_hf_weights(source)
     again = read_safetensors(tmp_path / "again" / "model.safetensors")
-    assert set(original) <= set(again)
+    assert set(original) == set(again)   # tied: no lm_head.weight, in either
     assert all(np.array_equal(again[name], tensor) for name, tensor in original.items())
-    assert np.array_equal(again["lm_head.weight"], original.get("lm_head.weight", original["model.embed_tokens.weight"]))
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["tie_word_embeddings"] == \
+        json.loads((source / "config.json").read_text())["tie_word_embeddings"]
     assert not (tmp_path / "again" / hf.MTP_FILE).exists()
 
 
@@ -275,7 +279,7 @@ def test_import_with_more_heads_copies_head_zero(imported, tmp_path):
     hf.import_checkpoint(source, tmp_path / "run", n_mtp=3, ctx_len=32, log=lambda msg: None)
     model, _ = load_model(tmp_path / "run")
     assert model.cfg.n_mtp == 3 and model.cfg.ctx_len == 32
-    assert np.array_equal(model.params["heads.2"], model.params["heads.0"])
+    assert np.array_equal(model.params["heads.2"], model.params[model.cfg.head_names()[0]])
 
 
 def test_sft_and_continued_pretraining_run_on_an_imported_model(imported, tmp_path):

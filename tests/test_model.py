@@ -1,6 +1,7 @@
 """The model: presets, config validation, gradients (finite differences and backend parity),
 files, the KV cache and sampling."""
 
+import json
 import tracemalloc
 
 import numpy as np
@@ -151,16 +152,56 @@ def test_init_statistics():
     assert np.array_equal(Model(cfg, seed=3).params["heads.1"], p["heads.1"])
 
 
-def test_gradients_match_finite_differences():
-    checks = check_model_finite_differences(seed=0)
-    assert len(checks) == len(tiny_config().param_shapes())
+@pytest.mark.parametrize("tied", [False, True])
+def test_gradients_match_finite_differences(tied):
+    cfg = tiny_config(tie_embeddings=tied)
+    checks = check_model_finite_differences(seed=0, cfg=cfg)
+    assert len(checks) == len(cfg.param_shapes())
     assert all(c.ok for c in checks), "\n".join(c.line() for c in checks)
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("backend", MODEL_BACKENDS)
-def test_backend_gradients_match_reference(backend):
-    checks = check_model_backend(backend, seed=1)
+def test_backend_gradients_match_reference(backend, tied):
+    checks = check_model_backend(backend, seed=1, cfg=tiny_config(tie_embeddings=tied))
     assert all(c.ok for c in checks), "\n".join(c.line() for c in checks)
+
+
+def test_tied_embeddings_have_no_head_zero_of_their_own():
+    untied, tied = ModelConfig.preset("small"), ModelConfig.preset("small", tie_embeddings=True)
+    assert "heads.0" not in tied.param_shapes() and "heads.1" in tied.param_shapes()
+    assert tied.n_params() == untied.n_params() - tied.vocab_size * tied.dim == 988_288   # docs/model.md
+    assert tied.flops_per_token() == untied.flops_per_token()   # the same products: head 0 reads tok_emb
+    model = Model(tied, backend="cpu")
+    assert model.n_params == tied.n_params()
+    emb, _ = model.layout["tok_emb"]
+    assert model.n_hidden <= emb and emb + tied.vocab_size * tied.dim <= model.n_decay   # decayed, not Muon's
+    assert np.shares_memory(model.heads, model.weights["tok_emb"]) and model.heads.shape[0] == tied.n_mtp * tied.vocab_size
+    with pytest.raises(ValueError, match="tie_embeddings must be true or false"):
+        ModelConfig(tie_embeddings=1)
+
+
+def test_tied_gradient_of_tok_emb_sums_the_embedding_and_head_zero():
+    """tok_emb's gradient is the untied model's tok_emb gradient plus its heads.0 gradient, on the same weights."""
+    cfg = tiny_config()
+    untied = Model(cfg, backend="reference", seed=6)
+    untied.master["heads.0"][:] = untied.master["tok_emb"]
+    tied = Model(ModelConfig(**{**cfg.to_dict(), "tie_embeddings": True}), backend="reference")
+    tied.load_params({n: w for n, w in untied.params.items() if n != "heads.0"})
+    inputs, targets = tiny_batch(cfg, np.random.default_rng(2))
+    loss, grads = untied.loss_and_grad(inputs, targets)
+    loss_tied, grads_tied = tied.loss_and_grad(inputs, targets)
+    assert loss_tied == pytest.approx(loss, rel=1e-12)
+    np.testing.assert_allclose(grads_tied["tok_emb"], grads["tok_emb"] + grads["heads.0"], atol=1e-14)
+    assert np.array_equal(tied.forward(inputs), untied.forward(inputs))
+
+
+def test_tied_backward_reports_tok_emb_final_once_and_last():
+    model = Model(tiny_config(tie_embeddings=True), backend="cpu")
+    reported = []
+    model.forward_backward(model.prepare(*tiny_batch(model.cfg, np.random.default_rng(0))),
+                           grads_ready=reported.extend)
+    assert sorted(reported) == sorted(model.layout) and reported[-1] == "tok_emb"
 
 
 def test_ignored_targets_give_no_gradient():
@@ -187,13 +228,22 @@ def test_forward_logits_are_head_zero():
     assert single.loss(inputs, targets) == pytest.approx(head0, rel=1e-10)
 
 
-def test_save_and_load_round_trip(tmp_path):
-    model = Model(tiny_config(), backend="cpu", seed=5)
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_and_load_round_trip(tmp_path, tied):
+    model = Model(tiny_config(tie_embeddings=tied), backend="cpu", seed=5)
     model.save(tmp_path / "run")
     again = Model.load(tmp_path / "run", backend="cpu")
     assert again.cfg == model.cfg
     for name, w in model.params.items():
         assert np.array_equal(again.params[name], w)
+
+
+def test_a_config_without_tie_embeddings_loads_untied(tmp_path):
+    Model(tiny_config(), backend="cpu").save(tmp_path / "run")
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    del config["tie_embeddings"]
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    assert not Model.load(tmp_path / "run").cfg.tie_embeddings
 
 
 def test_load_reports_bad_run_directories(tmp_path):
@@ -209,11 +259,12 @@ def test_load_reports_bad_run_directories(tmp_path):
         Model.load(tmp_path / "run")
 
 
-def test_matches_pytorch_where_installed():
+@pytest.mark.parametrize("tied", [False, True])
+def test_matches_pytorch_where_installed(tied):
     torch = pytest.importorskip("torch")
     from nanoeuler_core.bench.torch_peer import TorchModel
 
-    cfg = tiny_config()
+    cfg = tiny_config(tie_embeddings=tied)
     model = Model(cfg, backend="reference", seed=7)
     model.load_params({n: w.astype(np.float32) for n, w in model.params.items()})  # the values torch will hold
     inputs, targets = tiny_batch(cfg, np.random.default_rng(3))

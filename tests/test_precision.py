@@ -21,13 +21,14 @@ def cli(*args):
                           timeout=600)
 
 
-def one_block():
+def one_block(tie_embeddings=False):
     """The gradient checker's tiny model with one block: the simulator runs it in seconds."""
-    return ModelConfig(**{**tiny_config().to_dict(), "n_layers": 1})
+    return ModelConfig(**{**tiny_config(tie_embeddings).to_dict(), "n_layers": 1})
 
 
-def test_bf16_model_gradients_within_bound_of_float32():
-    checks = check_model_backend("cuda", against="cpu", cfg=one_block(), bound=MODEL_PRECISION_BOUND["bf16"],
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_model_gradients_within_bound_of_float32(tied):
+    checks = check_model_backend("cuda", against="cpu", cfg=one_block(tied), bound=MODEL_PRECISION_BOUND["bf16"],
                                  precision="bf16")
     assert all(c.ok for c in checks), "\n".join(c.line() for c in checks if not c.ok)
 

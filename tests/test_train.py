@@ -335,3 +335,22 @@ def test_recompute_flag_reaches_the_run(corpus_and_tokenizer, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "activations recomputed" in result.stderr
     assert checkpoint.read_json(run_dir / "config.json")["training"]["recompute"] is True
+
+
+def test_tied_embeddings_train_and_resume(corpus_and_tokenizer, tmp_path):
+    """`--tie-embeddings`: a run whose head 0 reads tok_emb lowers its loss, saves no heads.0, and
+    resumes as a tied model."""
+    run_dir = tmp_path / "run"
+    result = cli(*pretrain_args(corpus_and_tokenizer, run_dir, 40, "--tie-embeddings", "--eval-every", 20,
+                                "--ckpt-every", 20, "--sample-prompt", "x"))
+    assert result.returncode == 0, result.stderr
+    saved = checkpoint.read_json(run_dir / "config.json")
+    assert saved["tie_embeddings"] is True and saved["training"]["tie_embeddings"] is True
+    tensors, _ = checkpoint.load_tensors(run_dir / "model.safetensors")
+    assert "heads.0" not in tensors and "heads.3" in tensors
+    rows = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    resumed = train.resume_run(run_dir, {"steps": 44}, quiet)
+    assert resumed.model.cfg.tie_embeddings
+    row, _ = train.train(resumed, quiet)
+    assert row["step"] == 44 and np.isfinite(row["loss"])

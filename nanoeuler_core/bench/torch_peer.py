@@ -55,6 +55,11 @@ class TorchModel(torch.nn.Module):
     def w(self, name):
         return self.p[name.replace(".", "_")]
 
+    @property
+    def head0(self):
+        """Head 0's matrix (V, C): heads.0, or tok_emb where the model ties them."""
+        return self.w(self.cfg.head_names()[0])
+
     def hidden(self, ids, pos=None):
         """ids (B, T) -> the final norm's output (B, T, C). With `pos` (T,), the tokens sit at those
         positions and attend the static KV cache (setup_cache), which receives their keys and values."""
@@ -89,17 +94,17 @@ class TorchModel(torch.nn.Module):
         h = self.hidden(ids)
         T = ids.shape[1]
         losses = []
-        for j in range(self.cfg.n_mtp):
+        for j, head in enumerate(self.cfg.head_names()):
             if T - j <= 0:
                 continue
-            logits = h[:, : T - j] @ self.w(f"heads.{j}").T
+            logits = h[:, : T - j] @ self.w(head).T
             tj = targets[:, j:]
             if (tj >= 0).any():
                 losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tj.reshape(-1), ignore_index=-1))
         return sum(losses) / len(losses)
 
     def logits(self, ids):
-        return self.hidden(ids) @ self.w("heads.0").T
+        return self.hidden(ids) @ self.head0.T
 
     def setup_cache(self, batch: int, length: int) -> "TorchModel":
         """Allocate the static KV cache (layers, batch, KV, length, D), the RoPE tables and the causal mask."""
@@ -118,7 +123,7 @@ class TorchModel(torch.nn.Module):
     def next_token(self, ids, pos):
         """Greedy decoding with the KV cache: ids (B, T) at positions pos (T,) -> head 0's argmax after
         the last of them (B, 1)."""
-        return (self.hidden(ids, pos)[:, -1] @ self.w("heads.0").T).argmax(-1, keepdim=True)
+        return (self.hidden(ids, pos)[:, -1] @ self.head0.T).argmax(-1, keepdim=True)
 
 
 def synchronize(device: str) -> None:

@@ -81,15 +81,17 @@ def gradcheck_cmd(
         checks = gradcheck.check_op(op, only, seed=seed, precision=precision)
         refusals = gradcheck.refusal_checks(op, only, seed=seed) if precision == "fp32" else []
         failures += _echo_op_checks(name, checks, verbose, refusals)
-    if check_model:
-        typer.echo("== model (float64 reference): analytic gradient vs central finite differences")
-        failures += _echo_checks(gradcheck.check_model_finite_differences(seed))
+    for tied in (False, True) if check_model else ():
+        cfg, which = gradcheck.tiny_config(tie_embeddings=tied), "model, tied embeddings" if tied else "model"
+        typer.echo(f"== {which} (float64 reference): analytic gradient vs central finite differences")
+        failures += _echo_checks(gradcheck.check_model_finite_differences(seed, cfg))
         for name in model_backends:
             bound = gradcheck.MODEL_BACKEND_BOUND if precision == "fp32" else gradcheck.MODEL_PRECISION_BOUND[precision]
-            typer.echo(f"== model: {name} backend in {precision} vs reference, loss and every gradient tensor "
+            typer.echo(f"== {which}: {name} backend in {precision} vs reference, loss and every gradient tensor "
                        f"(bound {bound:.0e} of each tensor's scale)")
-            failures += _echo_checks(gradcheck.check_model_backend(name, seed, bound=bound, precision=precision))
-    else:
+            failures += _echo_checks(gradcheck.check_model_backend(name, seed, cfg=cfg, bound=bound,
+                                                                   precision=precision))
+    if not check_model:
         typer.echo("== model: not checked (--op checks the ops named; add --model for the model's gradients too)")
     if failures:
         _verdict("gradcheck", failures)

@@ -68,6 +68,8 @@ def pretrain(
     eager: bool = typer.Option(False, help="CUDA: launch each kernel from Python instead of replaying the captured step"),
     recompute: Optional[bool] = typer.Option(None, "--recompute/--no-recompute",
                                              help=RECOMPUTE_HELP + " (default: off; with --resume: the run's own)"),
+    tie_embeddings: bool = typer.Option(False, help="head 0 reads the embedding table instead of a matrix of its own "
+                                                    "(Llama's tie_word_embeddings; with --resume: the run's own)"),
     eval_hellaswag_every: Optional[int] = typer.Option(None, help="HellaSwag acc and acc_norm every N steps "
                                                                   "into metrics.jsonl (default: never)"),
     hellaswag_file: Optional[Path] = typer.Option(None, help="HellaSwag JSONL (default: where `data hellaswag` "
@@ -99,7 +101,8 @@ def pretrain(
                                           lr=lr, warmup=warmup, decay_steps=decay_steps, schedule=schedule, optimizer=optimizer, muon_lr=muon_lr, target_loss=target_loss, time_budget=time_budget, seed=seed,
                                           eval_every=eval_every,
                                           ckpt_every=ckpt_every, precision=precision, eager=eager,
-                                          recompute=bool(recompute), **hellaswag_settings)
+                                          recompute=bool(recompute), tie_embeddings=tie_embeddings,
+                                          **hellaswag_settings)
                 if tc.eval_hellaswag_every:
                     hellaswag_path(tc)  # a missing file fails now, not after minutes of tokenizer training
                 tc.resolve_precision()

@@ -42,6 +42,7 @@ class ModelConfig:
     hidden_dim: int = 344
     ctx_len: int = 128
     n_mtp: int = 4
+    tie_embeddings: bool = False   # head 0 reads the embedding table tok_emb: no heads.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
 
@@ -74,6 +75,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -100,8 +103,12 @@ class ModelConfig:
                 f"layers.{i}.w_down": (C, F),
             }
         shapes["norm"] = (C,)
-        shapes |= {f"heads.{j}": (V, C) for j in range(self.n_mtp)}
+        shapes |= {name: (V, C) for name in self.head_names() if name != "tok_emb"}
         return shapes
+
+    def head_names(self) -> list[str]:
+        """The matrices of heads 0 .. K-1 (V, C) each: heads.j, or with tie_embeddings tok_emb for head 0."""
+        return ["tok_emb" if j == 0 and self.tie_embeddings else f"heads.{j}" for j in range(self.n_mtp)]
 
     def n_params(self) -> int:
         total = 0
@@ -114,6 +121,8 @@ class ModelConfig:
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token as nanoGPT's estimate_mfu counts them: 6 per matrix weight
-        (embedding and norms excluded) plus 12 L C T for the attention scores."""
-        n_matmul = self.n_params() - self.vocab_size * self.dim - (2 * self.n_layers + 1) * self.dim
+        (embedding lookup and norms excluded; a tied table counts once, as head 0) plus 12 L C T for
+        the attention scores."""
+        lookup = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        n_matmul = self.n_params() - lookup - (2 * self.n_layers + 1) * self.dim
         return 6 * n_matmul + 12 * self.n_layers * self.dim * self.ctx_len

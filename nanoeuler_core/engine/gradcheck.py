@@ -309,11 +309,13 @@ MODEL_PRECISION_BOUND = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 5e-2}
 MODEL_FD_PROBES = 6           # elements probed per parameter tensor
 
 
-def tiny_config():
-    """A model small enough for finite differences in seconds, still exercising GQA, MTP and RoPE."""
+def tiny_config(tie_embeddings: bool = False):
+    """A model small enough for finite differences in seconds, still exercising GQA, MTP and RoPE
+    (and, with `tie_embeddings`, head 0 reading the embedding table)."""
     from nanoeuler_core.engine.config import ModelConfig
 
-    return ModelConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=12, ctx_len=6, n_mtp=2)
+    return ModelConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=12, ctx_len=6, n_mtp=2,
+                       tie_embeddings=tie_embeddings)
 
 
 def tiny_batch(cfg, rng, B: int = 2, T: int = 5):
@@ -342,11 +344,11 @@ def _scaled_error(a: np.ndarray, b: np.ndarray, scale: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(scale))), 1e-12))
 
 
-def check_model_finite_differences(seed: int = 0) -> list[TensorCheck]:
+def check_model_finite_differences(seed: int = 0, cfg=None) -> list[TensorCheck]:
     """Every parameter tensor's analytic gradient (reference backend, float64) against central differences."""
     from nanoeuler_core.engine.model import Model
 
-    cfg = tiny_config()
+    cfg = cfg or tiny_config()
     rng = np.random.default_rng(seed)
     model = Model(cfg, backend="reference", seed=seed)
     inputs, targets = tiny_batch(cfg, rng)

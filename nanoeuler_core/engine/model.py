@@ -4,7 +4,8 @@ forward-Euler steps (docs/model.md),
     x = x + attn(rmsnorm(x; attn_norm))
     x = x + swiglu(rmsnorm(x; ffn_norm))
 
-then a final rmsnorm and K multi-token-prediction heads. There is no autograd tape: `_forward`
+then a final rmsnorm and K multi-token-prediction heads (head 0 may read the embedding table:
+`tie_embeddings`). There is no autograd tape: `_forward`
 keeps what the backward needs in an explicit cache, and `_backward_blocks` walks the blocks in reverse,
 calling each op's backward by hand, as llm.c's gpt2_backward does.
 
@@ -24,6 +25,8 @@ its parameter gradient in place (the buffer is zeroed once at the start of a ste
 The K heads and their cross-entropy are one registered op, `classifier` (llm.c's fused
 classifier): it makes the logits a chunk of rows at a time and, in training, turns each chunk into
 its losses and its gradient in place, so the (N, V) logits of the heads never exist at once.
+With tied embeddings the classifier's weight gradient for head 0 and the embedding's backward
+both add into tok_emb's gradient.
 
 Training goes through two public calls: `prepare(inputs, targets)` turns a host batch into a
 `Batch` on the backend (ids, each head's targets, each row's weight in the objective), and
@@ -153,8 +156,9 @@ class Model:
         self.forward_weights = self.weight_set(self.compute_flat)
         self.layers, self.next_norms = self.forward_weights.layers, self.forward_weights.next_norms
         self.layer_grads = self.block_weights(self.grad_flat)
-        heads = [f"heads.{j}" for j in range(cfg.n_mtp)]
-        self.heads, self.head_grads = self.stacked(self.compute_flat, heads), self.stacked(self.grad_flat, heads)  # (K V, C)
+        # (K V, C); tied, head 0 is tok_emb, which the layout puts just before heads.1
+        heads = cfg.head_names()
+        self.heads, self.head_grads = self.stacked(self.compute_flat, heads), self.stacked(self.grad_flat, heads)
         self.next_norm_grads = [G.attn_norm for G in self.layer_grads[1:]] + [self.grads["norm"]]
 
     # ----------------------------------------------------------------------------------------
@@ -399,7 +403,7 @@ class Model:
         """inputs int (B, T) -> logits float (B, T, vocab_size) from head 0, as a host array."""
         ids, ids_dev = self._upload_ids(inputs)
         h_final, _, _ = self._forward(ids_dev, *ids.shape)
-        logits, _ = self.ops.linear.forward(h_final, self.weights["heads.0"])
+        logits, _ = self.ops.linear.forward(h_final, self.heads[:self.cfg.vocab_size])
         return self.backend.to_host(logits).reshape(*ids.shape, self.cfg.vocab_size)
 
     # ----------------------------------------------------------------------------------------
@@ -435,7 +439,8 @@ class Model:
         keep = "input" if self.recompute else "cache"
         h_final, kept, first_saved = self._forward(batch.ids, batch.B, batch.T, keep)
         losses, dh_final = self._heads(h_final, batch.head_targets, batch.weights)
-        grads_ready([f"heads.{j}" for j in range(self.cfg.n_mtp)])
+        # a tied tok_emb is not final yet: the embedding's backward adds to it last
+        grads_ready([name for name in self.cfg.head_names() if name != "tok_emb"])
         self._backward_blocks(dh_final, kept, first_saved, batch.ids, batch.B, batch.T, grads_ready)
         return losses
 

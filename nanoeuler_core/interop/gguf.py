@@ -7,7 +7,7 @@
     layers.{i}.ffn_norm       blk.{i}.ffn_norm.weight
     layers.{i}.w_gate/up/down blk.{i}.ffn_gate/ffn_up/ffn_down.weight
     norm                      output_norm.weight
-    heads.0                   output.weight (a copy of token_embd.weight when the file ties them)
+    heads.0                   output.weight (none when the file ties them: the run ties them too)
 
 F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors are read, dequantized to float32. llama.cpp's
 converter permutes the rows of Q and K for its interleaved RoPE; they are permuted back to the
@@ -18,6 +18,7 @@ The `gguf` package reads the file; nanoeuler needs it only here.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from pathlib import Path
@@ -147,7 +148,7 @@ def model_config_from_gguf(meta: dict, path: Path, n_mtp: int, ctx_len: int | No
         "rope_theta": meta.get("llama.rope.freq_base", 10000.0),
         "rms_norm_eps": meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
     }
-    return model_config_from_hf(config, path, n_mtp, ctx_len)[0]
+    return model_config_from_hf(config, path, n_mtp, ctx_len)
 
 
 def _read_tensors(reader, gguf, cfg: ModelConfig, path: Path) -> tuple[dict[str, np.ndarray], Counter]:
@@ -259,11 +260,12 @@ def import_gguf(path: Path, out_dir: Path, n_mtp: int | None = None, ctx_len: in
     template = _chat_template(meta, path, log)
 
     params, dequantized = _read_tensors(reader, gguf, cfg, path)
+    # no output.weight: head 0 is token_embd.weight (GGUF's metadata says nothing of it; the tensors do)
     tied = "heads.0" not in params and "tok_emb" in params
     if tied:
-        params["heads.0"] = params["tok_emb"].copy()
+        cfg = dataclasses.replace(cfg, tie_embeddings=True)
     for j in range(1, n_mtp):
-        params[f"heads.{j}"] = params.get("heads.0")
+        params[f"heads.{j}"] = params.get(cfg.head_names()[0])
     missing = [gguf_name(n) for n in cfg.param_shapes() if params.get(n) is None]
     if missing:
         raise CheckpointError(f"{path}: the file lacks tensor {missing[0]}"
@@ -274,7 +276,7 @@ def import_gguf(path: Path, out_dir: Path, n_mtp: int | None = None, ctx_len: in
         log("dequantized to float32 (nanoeuler has no quantized weights): "
             + ", ".join(f"{n} {kind}" for kind, n in sorted(dequantized.items())) + " tensors")
     if tied:
-        log("the file ties its embeddings and head (no output.weight): head 0 is a copy of token_embd.weight")
+        log("the file ties its embeddings and head (no output.weight): so does the run, head 0 reads tok_emb")
     log(f"imported {path} ({cfg.n_params():,} parameters, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
         f"context {cfg.ctx_len}, {n_mtp} head(s)" + (f", heads 1..{n_mtp - 1} copied from head 0" if n_mtp > 1 else "")
         + f") to {out_dir}" + (f"; chats in its own template ({template.name})" if template else ""))

@@ -10,7 +10,8 @@ A nanoeuler model is a Llama model plus K - 1 extra multi-token-prediction heads
     layers.{i}.ffn_norm       model.layers.{i}.post_attention_layernorm.weight
     layers.{i}.w_gate/up/down model.layers.{i}.mlp.{gate,up,down}_proj.weight
     norm                      model.norm.weight
-    heads.0                   lm_head.weight (a copy of embed_tokens when the source ties them)
+    heads.0                   lm_head.weight (none in a tied model: head 0 reads tok_emb, and
+                              config.json says tie_word_embeddings, as transformers writes it)
     heads.{j}, j >= 1         mtp_heads.safetensors, under their own names, beside the model
 
 An export holds config.json, model.safetensors, mtp_heads.safetensors, generation_config.json,
@@ -123,7 +124,7 @@ def export_run(run_dir: Path, out_dir: Path, log: Callable[[str], None] = print)
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None,
         "vocab_size": cfg.vocab_size,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -176,8 +177,8 @@ def _refuse(path: Path, field: str, value, why: str):
     raise CheckpointError(f"{path}: {field} = {value!r}: {why}; nanoeuler cannot represent it")
 
 
-def model_config_from_hf(config: dict, path: Path, n_mtp: int, ctx_len: int | None) -> tuple[ModelConfig, bool]:
-    """The ModelConfig of a transformers Llama config.json, and whether it ties embeddings and head."""
+def model_config_from_hf(config: dict, path: Path, n_mtp: int, ctx_len: int | None) -> ModelConfig:
+    """The ModelConfig of a transformers Llama config.json (tied embeddings stay tied)."""
     def get(field, default=None):
         return config.get(field, default)
 
@@ -209,11 +210,12 @@ def model_config_from_hf(config: dict, path: Path, n_mtp: int, ctx_len: int | No
             vocab_size=vocab_size, dim=dim, n_layers=get("num_hidden_layers"), n_heads=n_heads,
             n_kv_heads=get("num_key_value_heads", n_heads), hidden_dim=get("intermediate_size"),
             ctx_len=min(positions, ctx_len) if ctx_len and isinstance(positions, int) else positions,
-            n_mtp=n_mtp, rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+            n_mtp=n_mtp, tie_embeddings=bool(get("tie_word_embeddings", False)),
+            rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
             norm_eps=float(get("rms_norm_eps", 1e-6)))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: {exc}") from None
-    return cfg, bool(get("tie_word_embeddings", False))
+    return cfg
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -264,8 +266,7 @@ def read_hf_weights(hf_dir: Path) -> dict[str, np.ndarray]:
     return read_safetensors(hf_dir / "model.safetensors")
 
 
-def _params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, tied: bool, source: Path
-                    ) -> dict[str, np.ndarray]:
+def _params_from_hf(tensors: dict[str, np.ndarray], source: Path) -> dict[str, np.ndarray]:
     params = {}
     for name, tensor in tensors.items():
         ours = nanoeuler_name(name)
@@ -275,8 +276,6 @@ def _params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, tied: bool
             why = "the model has no biases" if name.endswith(".bias") else "no such parameter in a Llama model"
             _refuse(source, "tensor", name, why)
         params[ours] = tensor
-    if tied:
-        params["heads.0"] = params["tok_emb"].copy() if "tok_emb" in params else None
     return params
 
 
@@ -296,16 +295,17 @@ def import_checkpoint(hf_dir: Path, out_dir: Path, n_mtp: int | None = None, ctx
     mtp_file = hf_dir / MTP_FILE
     extra_heads = checkpoint.load_tensors(mtp_file)[0] if mtp_file.is_file() else {}
     n_mtp = n_mtp or max(1, int(saved.get("n_mtp") or 1), len(extra_heads) + 1)
-    cfg, tied = model_config_from_hf(config, hf_dir / "config.json", n_mtp, ctx_len)
+    cfg = model_config_from_hf(config, hf_dir / "config.json", n_mtp, ctx_len)
 
     tok = _import_tokenizer(hf_dir, config)
     if tok.vocab_size != cfg.vocab_size:
         raise CheckpointError(f"{hf_dir}: config.json has vocab_size {cfg.vocab_size} but tokenizer.json has "
                               f"{tok.vocab_size} entries; nanoeuler needs them equal")
 
-    params = _params_from_hf(read_hf_weights(hf_dir), cfg, tied, hf_dir)
+    # a tied checkpoint's lm_head.weight, where one is stored, is embed_tokens again: transformers ignores it too
+    params = _params_from_hf(read_hf_weights(hf_dir), hf_dir)
     for j in range(1, n_mtp):
-        params[f"heads.{j}"] = extra_heads.get(f"heads.{j}", params.get("heads.0"))
+        params[f"heads.{j}"] = extra_heads.get(f"heads.{j}", params.get(cfg.head_names()[0]))
     expected = cfg.param_shapes()
     missing = [hf_name(n) or n for n in expected if params.get(n) is None]
     if missing:

@@ -72,6 +72,7 @@ class TrainConfig:
     eager: bool = False                 # launch every kernel from Python instead of replaying a captured step
     recompute: bool = False             # activation recomputation: the backward runs each block's forward again
                                         # from its input (Model.recompute): less memory, the same gradients
+    tie_embeddings: bool = False        # head 0 reads the embedding table (ModelConfig.tie_embeddings)
     grad_accum: int = 1                 # micro-batches of batch_size rows per optimizer step (on each rank)
     zero: int = 0                       # 1: AdamW moments sharded over the data-parallel ranks (ZeRO-1)
     muon_lr: float | None = None        # Muon's peak learning rate (default: --lr), on the same schedule
@@ -197,7 +198,7 @@ def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print
         if not corpus.is_file():
             raise ValueError(f"corpus {corpus} not found")
         tok = _tokenizer(tc, corpus, PRESETS[tc.preset]["vocab_size"], log)
-        cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size)
+        cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size, tie_embeddings=tc.tie_embeddings)
         data = _data(run_dir, tc, tok, cfg.ctx_len)  # encodes and caches the corpus
         run_dir.mkdir(parents=True, exist_ok=True)
         tok.save(run_dir / "tokenizer.json")
@@ -206,7 +207,7 @@ def start_run(run_dir: Path, tc: TrainConfig, log: Callable[[str], None] = print
         from nanoeuler_core.text.tokenizer import Tokenizer
 
         tok = Tokenizer.load(run_dir / "tokenizer.json")
-        cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size)
+        cfg = ModelConfig.preset(tc.preset, vocab_size=tok.vocab_size, tie_embeddings=tc.tie_embeddings)
         data = _data(run_dir, tc, tok, cfg.ctx_len)  # from rank 0's cache
     train, val, unigram = data
     # the same seed: the same weights on every rank

@@ -26,7 +26,7 @@ class DecodeWeights:
                 flat = self.own_copy = model.backend.zeros(model.n_params, "bf16")
                 model.backend.copy_(flat, model.flat)
         self.tok_emb, self.norm = model.master["tok_emb"], model.master["norm"]
-        self.heads = model.stacked(flat, [f"heads.{j}" for j in range(K)])
+        self.heads = model.stacked(flat, model.cfg.head_names()[:K])
         self.forward = model.weight_set(flat, registry.precision(storage))
         self.layers = self.forward.layers
 
