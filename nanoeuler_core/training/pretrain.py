@@ -445,7 +445,8 @@ def train(run: Run, log: Callable[[str], None] = print,
                          last=reached or spent)
     if spent and not reached:   # (no row: a resumed run whose budget was already spent)
         log(f"time budget of {tc.time_budget:g} min spent at step {opt.step_count}" +
-            (f", after {opt.step_count * tokens_per_step:,} tokens; held-out loss {val_loss:.4f}" if row else ""))
+            (f", after {opt.step_count * tokens_per_step:,} tokens; held-out loss {val_loss:.4f} (next token "
+             f"{val_next:.4f})" if row else ""))
     if reached:
         log(f"reached held-out next-token loss {val_next:.4f} (target {tc.target_loss}) at step {opt.step_count}, after "
             f"{row['time']:.1f} s of training and {opt.step_count * tokens_per_step:,} tokens")
