@@ -20,16 +20,16 @@ specs=("$@")
 [ ${#specs[@]} -gt 0 ] || specs=(torch-adamw=torch-adamw torch-muon=torch-muon nanoeuler-adamw=nanoeuler-adamw
                                  nanoeuler-muon=nanoeuler-muon)
 steps=${STEPS:-12000}
-data=/tmp/speedrun
-corpus=$data/python.txt
+built=/tmp/speedrun
+corpus=$built/python.txt
 tokenizer=bench/speedrun/tokenizer.json
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$log_dir/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$log_dir/gpu.txt"
 
 if [ ! -f "$corpus" ]; then
-    /usr/bin/time -f "corpus built in %e s" python3 -m nanoeuler_core.cli data python-sources --out "$data" \
+    /usr/bin/time -f "corpus built in %e s" python3 -m nanoeuler_core.cli data python-sources --out "$built" \
         --max-bytes "${CORPUS_BYTES:-600M}" 2>&1 | tee "$log_dir/corpus.log" || exit 1
-    cp "$data/python.json" "$log_dir/corpus_manifest.json"
+    cp "$built/python.json" "$log_dir/corpus_manifest.json"
 fi
 if [ ! -f "$tokenizer" ]; then
     mkdir -p "$(dirname "$tokenizer")"

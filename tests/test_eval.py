@@ -12,7 +12,7 @@ import numpy as np
 import orjson
 import pytest
 
-from nanoeuler_core.cli import main
+from cli_helpers import run_cli
 from nanoeuler_core.corpus import downloads as datasets
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.model import Model
@@ -21,15 +21,6 @@ from nanoeuler_core.text.tokenizer import Tokenizer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hellaswag_val_sample.jsonl"
 CORPUS = (Path(__file__).parents[1] / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    monkeypatch.setattr(sys, "argv", ["nanoeuler-run", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanoeuler_core.cli import main
+from cli_helpers import run_cli
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.model import Model
 from nanoeuler_core.inference.loading import load_model
@@ -215,15 +215,6 @@ BAD = {
     "rope scaling": ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type = 'yarn': RoPE is unscaled"),
     "pre-tokenizer": (dict(pre="qwen2"), "tokenizer.ggml.pre = 'qwen2'"),
 }
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    monkeypatch.setattr(sys, "argv", ["nanoeuler-run", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 import pytest
 
-from nanoeuler_core.cli import main
+from cli_helpers import run_cli
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.model import Model
 from nanoeuler_core.inference.chat import chat, render
@@ -41,15 +41,6 @@ CONVERSATIONS = [
 def close(ours: np.ndarray, theirs: np.ndarray, rtol: float = 1e-4) -> bool:
     """Equal within `rtol` of the largest magnitude (logits near 0 make elementwise ratios meaningless)."""
     return float(np.abs(ours - theirs).max()) <= rtol * float(np.abs(theirs).max())
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()  # drop what came before
-    monkeypatch.setattr(sys, "argv", ["nanoeuler-run", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
 
 
 def load_transformers(path: Path):
