@@ -139,6 +139,8 @@ class Sample:
     `grad_inputs` lists the positions of the inputs that receive a gradient (float inputs);
     integer inputs such as token ids are never differentiated. `precisions` limits the
     precisions the sample is checked in (a slow simulated kernel needs only a few cases).
+    `float32_inputs` are float inputs stored as float32 in every precision (a quantized matrix's
+    scales and offsets, which no backend stores in bf16).
     """
 
     inputs: tuple
@@ -146,6 +148,7 @@ class Sample:
     grad_inputs: tuple[int, ...] = ()
     name: str = ""
     precisions: tuple[str, ...] = tuple(PRECISIONS)
+    float32_inputs: tuple[int, ...] = ()
 
 
 @dataclass

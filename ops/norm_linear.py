@@ -1,6 +1,8 @@
 """RMSNorm fused into the linear layer that reads it, for decoding (forward only).
 
 Shapes: x (N, C), g (C,), w (O, C) -> y (N, O); attrs eps; saved ().
+w is one float matrix or a quantized one, (q, scale, zero) (nanoeuler_core/quantized.py), read as
+the matrix it stands for.
 
     rstd[n] = 1 / sqrt(mean_c x[n, c]^2 + eps)
     y[n, o] = sum_c (x[n, c] * rstd[n] * g[c]) * w[o, c]
@@ -14,19 +16,21 @@ The decoder reads the attention's q, k and v projections (w = [wq; wk; wv]) and 
 
 import numpy as np
 
+from nanoeuler_core import quantized
 from nanoeuler_core.registry import ErrorInput, Sample, define_op
 
 
-def check_shapes(x, g, w):
+def check_shapes(x, g, *w):
     """Raise ValueError unless x (N, C), g (C,) and w (O, C) fit together (every backend calls this)."""
-    if x.ndim != 2 or g.shape != (x.shape[1],) or w.ndim != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"norm_linear: need x (N, C), g (C,), w (O, C), got {x.shape}, {g.shape}, {w.shape}")
+    O, C = quantized.shape(*w)
+    if x.ndim != 2 or g.shape != (x.shape[1],) or C != x.shape[1]:
+        raise ValueError(f"norm_linear: need x (N, C), g (C,), w (O, C), got {x.shape}, {g.shape}, {(O, C)}")
 
 
-def forward(x, g, w, *, eps):
-    check_shapes(x, g, w)
+def forward(x, g, *w, eps):
+    check_shapes(x, g, *w)
     rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps)
-    return (x * rstd[:, None] * g) @ w.T, ()
+    return (x * rstd[:, None] * g) @ quantized.matrix(*w).T, ()
 
 
 def sample_inputs(rng):
@@ -37,6 +41,12 @@ def sample_inputs(rng):
         g = 1.0 + 0.1 * rng.standard_normal(c)
         w = rng.standard_normal((o, c)) / c ** 0.5
         yield Sample((x, g, w), {"eps": 1e-5}, name=f"N{n}_C{c}_O{o}")
+    # quantized weights: one row; rows of one group; several groups, rows of whole chunks over several trips
+    for n, c, o in ((1, 64, 5), (5, 128, 13), (2, 320, 3)):
+        x = rng.standard_normal((n, c))
+        g = 1.0 + 0.1 * rng.standard_normal(c)
+        for label, w in quantized.sample_matrices(rng, o, c):
+            yield Sample((x, g, *w), {"eps": 1e-5}, name=f"N{n}_C{c}_O{o}_{label}", float32_inputs=(3, 4))
 
 
 def error_inputs(rng):

@@ -2,6 +2,8 @@
 and up projections, and SwiGLU.
 
 Shapes: x (N, C), g (C,), w (2F, C) = [w_gate; w_up] -> y (N, F); attrs eps; saved ().
+w is one float matrix or a quantized one, (q, scale, zero) (nanoeuler_core/quantized.py), read as
+the matrix it stands for.
 
     h = rmsnorm(x; g)                                  (as in norm_linear)
     y[n, f] = silu(h[n] . w[f]) * (h[n] . w[F + f]),   silu(z) = z * sigmoid(z)
@@ -12,20 +14,22 @@ decoder passes one view of both.
 
 import numpy as np
 
+from nanoeuler_core import quantized
 from nanoeuler_core.registry import ErrorInput, Sample, define_op
 from nanoeuler_ops.swiglu import forward as swiglu
 
 
-def check_shapes(x, g, w):
+def check_shapes(x, g, *w):
     """Raise ValueError unless x (N, C), g (C,) and w (2F, C) fit together (every backend calls this)."""
-    if x.ndim != 2 or g.shape != (x.shape[1],) or w.ndim != 2 or w.shape[1] != x.shape[1] or w.shape[0] % 2:
-        raise ValueError(f"norm_swiglu: need x (N, C), g (C,), w (2F, C), got {x.shape}, {g.shape}, {w.shape}")
+    O, C = quantized.shape(*w)
+    if x.ndim != 2 or g.shape != (x.shape[1],) or C != x.shape[1] or O % 2:
+        raise ValueError(f"norm_swiglu: need x (N, C), g (C,), w (2F, C), got {x.shape}, {g.shape}, {(O, C)}")
 
 
-def forward(x, g, w, *, eps):
-    check_shapes(x, g, w)
+def forward(x, g, *w, eps):
+    check_shapes(x, g, *w)
     h = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
-    return swiglu(h @ w.T)[0], ()   # h @ w.T is [gate | up]
+    return swiglu(h @ quantized.matrix(*w).T)[0], ()   # h @ w.T is [gate | up]
 
 
 def sample_inputs(rng):
@@ -36,6 +40,12 @@ def sample_inputs(rng):
         g = 1.0 + 0.1 * rng.standard_normal(c)
         w = 2.0 * rng.standard_normal((2 * f, c)) / c ** 0.5  # gates reaching both tails of the sigmoid
         yield Sample((x, g, w), {"eps": 1e-5}, name=f"N{n}_C{c}_F{f}")
+    # quantized weights: one row; rows of one group; several groups, rows of whole chunks over several trips
+    for n, c, f in ((1, 64, 3), (5, 128, 6), (2, 320, 2)):
+        x = rng.standard_normal((n, c))
+        g = 1.0 + 0.1 * rng.standard_normal(c)
+        for label, w in quantized.sample_matrices(rng, 2 * f, c, scale=2.0):
+            yield Sample((x, g, *w), {"eps": 1e-5}, name=f"N{n}_C{c}_F{f}_{label}", float32_inputs=(3, 4))
 
 
 def error_inputs(rng):

@@ -104,7 +104,7 @@ def test_decoding_kernels_threaded_give_each_row_its_bits_alone():
     assert T * wqkv.shape[0] * C >= 1 << 22 and T * F >= 1 << 14   # the threaded paths
     rows = {"norm_linear": (lambda r: norm_linear.forward(x[r], g, wqkv, eps=1e-5)[0]),
             "norm_swiglu": (lambda r: norm_swiglu.forward(x[r], g, wgu, eps=1e-5)[0]),
-            "linear_residual": (lambda r: linear_residual.forward(act[r], wd, x[r])[0])}
+            "linear_residual": (lambda r: linear_residual.forward(act[r], x[r], wd)[0])}
     for name, run in rows.items():
         whole = run(slice(0, T))
         alone = np.concatenate([run(slice(t, t + 1)) for t in range(T)])

@@ -295,7 +295,7 @@ def count_running_ahead(decoder) -> list[bool]:
     return ahead
 
 
-MATRIX_OPS = {"norm_linear": 2, "norm_swiglu": 2, "linear_residual": 1}   # decoding op -> its weights' position
+MATRIX_OPS = {"norm_linear": 2, "norm_swiglu": 2, "linear_residual": 2}   # decoding op -> its weights' position
 
 
 def run_with_bf16_weights(name, inputs, attrs, backend):
@@ -312,7 +312,7 @@ def matrix_op_inputs(name, rng, N, C, O):
     """(inputs, attrs) of a decoding op that reads a matrix: N rows of C features, O outputs."""
     normal = rng.standard_normal
     if name == "linear_residual":
-        return (normal((N, C)), normal((O, C)) / C ** 0.5, normal((N, O))), {}
+        return (normal((N, C)), normal((N, O)), normal((O, C)) / C ** 0.5), {}
     rows = 2 * O if name == "norm_swiglu" else O
     return (normal((N, C)), 1 + 0.1 * normal(C), normal((rows, C)) / C ** 0.5), {"eps": 1e-5}
 

@@ -83,16 +83,17 @@ def stored_values(x: np.ndarray, precision: str = "fp32") -> np.ndarray:
 
 
 def _rounded(sample: Sample, precision: str = "fp32") -> tuple:
-    return tuple(stored_values(x, precision) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x
-                 for x in sample.inputs)
+    return tuple(stored_values(x, "fp32" if i in sample.float32_inputs else precision)
+                 if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x for i, x in enumerate(sample.inputs))
 
 
 def run_backend(op: Op, backend_name: str, inputs: tuple, attrs: dict, dout=None, precision: str = "fp32",
-                into: dict | None = None):
+                into: dict | None = None, float32_inputs: tuple[int, ...] = ()):
     """Forward (and backward with `dout`, if the op has one) on one backend; host arrays back.
 
     `precision` applies where the op runs in it on this backend (else the backend runs fp32): in
-    bf16 the float inputs are stored as bf16, and dout in the storage of the forward's output.
+    bf16 the float inputs are stored as bf16 (but `float32_inputs`), and dout in the storage of the
+    forward's output.
     `into` {input position: host array} runs the backward adding into arrays holding those values
     (in the storage of that input's gradient), and returns what they hold afterwards.
     Returns (outputs, grads): outputs is the forward's result followed by each in-place input
@@ -103,8 +104,8 @@ def run_backend(op: Op, backend_name: str, inputs: tuple, attrs: dict, dout=None
         precision = "fp32"
     impl = op.impl(backend_name, precision)
     storage = registry.precision(precision).storage
-    args = tuple((be.asarray(x, storage if x.dtype.kind == "f" else None) if isinstance(x, np.ndarray) else x)
-                 for x in inputs)
+    args = tuple((be.asarray(x, storage if x.dtype.kind == "f" and i not in float32_inputs else None)
+                  if isinstance(x, np.ndarray) else x) for i, x in enumerate(inputs))
     with be.computing():
         out, saved = impl.forward(*args, **attrs)
         outputs = [be.to_host(o) for o in _outputs(out)] + [be.to_host(args[i]) for i in op.inplace]
@@ -179,11 +180,13 @@ def backend_pair_checks(op: Op, sample: Sample, backends: list[str], rng: np.ran
     dout = None
     if op.differentiable:
         dout = random_like(op.reference.forward(*inputs, **sample.attrs)[0], rng, precision)
-    results = {name: run_backend(op, name, inputs, sample.attrs, dout, precision) for name in backends}
+    results = {name: run_backend(op, name, inputs, sample.attrs, dout, precision, float32_inputs=sample.float32_inputs)
+               for name in backends}
     accumulating = [i for i in op.accumulates if i in sample.grad_inputs] if op.differentiable else []
     if accumulating:   # a backward adding into arrays that already hold something
         into = {i: stored_values(rng.standard_normal(np.shape(inputs[i])), precision) for i in accumulating}
-        added = {name: run_backend(op, name, inputs, sample.attrs, dout, precision, into)[1] for name in backends}
+        added = {name: run_backend(op, name, inputs, sample.attrs, dout, precision, into, sample.float32_inputs)[1]
+                 for name in backends}
     tol = op.tol_for(precision)
     checks = []
     for a, b in combinations(backends, 2):

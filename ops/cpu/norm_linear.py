@@ -4,7 +4,7 @@ ops/cpu/row_products.py for how rows stay independent of the batch."""
 import numpy as np
 from numba import njit
 
-from nanoeuler_ops.cpu.row_products import matmul_rows, rmsnorm_rows
+from nanoeuler_ops.cpu.row_products import matmul_rows, quantized_matmul_rows, rmsnorm_rows
 from nanoeuler_ops.norm_linear import check_shapes
 
 
@@ -15,9 +15,19 @@ def _forward(x, g, w, eps, h, y):
     matmul_rows(h, w, y)
 
 
-def forward(x, g, w, *, eps):
-    check_shapes(x, g, w)
+@njit(cache=True)
+def _forward_quantized(x, g, q, scale, zero, eps, h, y):
+    # _forward with w quantized (q, scale, zero)
+    rmsnorm_rows(x, g, eps, h)
+    quantized_matmul_rows(h, q, scale, zero, y)
+
+
+def forward(x, g, *w, eps):
+    check_shapes(x, g, *w)
     h = np.empty(x.shape, dtype=x.dtype)
-    y = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
-    _forward(x, g, w, np.float32(eps), h, y)
+    y = np.empty((x.shape[0], w[0].shape[0]), dtype=x.dtype)
+    if len(w) == 1:
+        _forward(x, g, w[0], np.float32(eps), h, y)
+    else:
+        _forward_quantized(x, g, *w, np.float32(eps), h, y)
     return y, ()

@@ -4,7 +4,7 @@ for the math and ops/cpu/row_products.py for how rows stay independent of the ba
 import numpy as np
 from numba import njit, prange
 
-from nanoeuler_ops.cpu.row_products import matmul_rows, rmsnorm_rows
+from nanoeuler_ops.cpu.row_products import matmul_rows, quantized_matmul_rows, rmsnorm_rows
 from nanoeuler_ops.cpu.common import exp32
 from nanoeuler_ops.norm_swiglu import check_shapes
 
@@ -28,10 +28,8 @@ def _silu_product_threaded(gate_up, y):
 
 
 @njit(cache=True)
-def _forward(x, g, w, eps, h, gate_up, y):
-    # x (N, C), g (C,), w (2F, C) -> h (N, C), gate_up (N, 2F) (scratch), y (N, F)
-    rmsnorm_rows(x, g, eps, h)
-    matmul_rows(h, w, gate_up)
+def _silu_products(gate_up, y):
+    # y (N, F) = silu(gate_up[:, :F]) * gate_up[:, F:]
     if y.size >= THREADED_ELEMENTS:   # a prompt's prefill; a token's step stays on one thread
         _silu_product_threaded(gate_up, y)
     else:
@@ -39,11 +37,30 @@ def _forward(x, g, w, eps, h, gate_up, y):
             _silu_product(gate_up, y, n)
 
 
-def forward(x, g, w, *, eps):
-    check_shapes(x, g, w)
-    N, F = x.shape[0], w.shape[0] // 2
+@njit(cache=True)
+def _forward(x, g, w, eps, h, gate_up, y):
+    # x (N, C), g (C,), w (2F, C) -> h (N, C), gate_up (N, 2F) (scratch), y (N, F)
+    rmsnorm_rows(x, g, eps, h)
+    matmul_rows(h, w, gate_up)
+    _silu_products(gate_up, y)
+
+
+@njit(cache=True)
+def _forward_quantized(x, g, q, scale, zero, eps, h, gate_up, y):
+    # _forward with w quantized (q, scale, zero)
+    rmsnorm_rows(x, g, eps, h)
+    quantized_matmul_rows(h, q, scale, zero, gate_up)
+    _silu_products(gate_up, y)
+
+
+def forward(x, g, *w, eps):
+    check_shapes(x, g, *w)
+    N, F = x.shape[0], w[0].shape[0] // 2
     h = np.empty(x.shape, dtype=x.dtype)
     gate_up = np.empty((N, 2 * F), dtype=x.dtype)
     y = np.empty((N, F), dtype=x.dtype)
-    _forward(x, g, w, np.float32(eps), h, gate_up, y)
+    if len(w) == 1:
+        _forward(x, g, w[0], np.float32(eps), h, gate_up, y)
+    else:
+        _forward_quantized(x, g, *w, np.float32(eps), h, gate_up, y)
     return y, ()

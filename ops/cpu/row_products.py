@@ -77,3 +77,66 @@ def matmul_rows(x, w, out):
             for i in range(I):
                 a0 += x[n, i] * w[o, i]
             out[n, o] = a0
+
+
+# ---------------------------------------------------------------- quantized weights
+# (q, scale, zero) as nanoeuler_core/quantized.py lays them out; each output is one loop over its
+# groups whichever thread runs it and however many rows there are.
+
+@njit(cache=True, fastmath=REDUCE_FASTMATH)
+def _int8_output(x, q, scale, n, o):
+    # x[n] . w[o], w[o, k] = scale[o, k // group] * q[o, k]
+    groups = scale.shape[1]
+    group = q.shape[1] // groups
+    total = np.float32(0.0)
+    for j in range(groups):
+        part = np.float32(0.0)
+        for k in range(j * group, (j + 1) * group):
+            part += x[n, k] * np.float32(q[o, k])
+        total += scale[o, j] * part
+    return total
+
+
+@njit(cache=True, fastmath=REDUCE_FASTMATH)
+def _int4_output(x, x_sums, q, scale, zero, n, o):
+    # x[n] . w[o], w[o, k] = scale[o, k // group] * nibble[o, k] + zero[o, k // group]: each group's
+    # sum of x times nibbles, scaled, plus its offset times the group's sum of x (x_sums)
+    groups = scale.shape[1]
+    group = 2 * q.shape[1] // groups
+    total = np.float32(0.0)
+    for j in range(groups):
+        part = np.float32(0.0)
+        for block in range(j * group, (j + 1) * group, 32):
+            half = block // 2
+            for i in range(16):
+                byte = q[o, half + i]
+                part += x[n, block + i] * np.float32(byte & 15) + x[n, block + 16 + i] * np.float32(byte >> 4)
+        total += scale[o, j] * part + zero[o, j] * x_sums[n, j]
+    return total
+
+
+@njit(cache=True, fastmath=REDUCE_FASTMATH)
+def _group_sums(x, groups, x_sums):
+    # x_sums[n, j] = the sum of x[n] over group j
+    N, K = x.shape
+    group = K // groups
+    for n in range(N):
+        for j in range(groups):
+            s = np.float32(0.0)
+            for k in range(j * group, (j + 1) * group):
+                s += x[n, k]
+            x_sums[n, j] = s
+
+
+@njit(cache=True, fastmath=REDUCE_FASTMATH, parallel=True)
+def quantized_matmul_rows(x, q, scale, zero, out):
+    # x (N, K), (q, scale, zero) (O, K) quantized -> out (N, O) = x @ w.T; outputs shared among the threads
+    N, O = out.shape
+    int4 = q.shape[1] != x.shape[1]
+    x_sums = np.empty((N, scale.shape[1]), dtype=np.float32)
+    if int4:
+        _group_sums(x, scale.shape[1], x_sums)
+    for o in prange(O):
+        for n in range(N):
+            out[n, o] = _int4_output(x, x_sums, q, scale, zero, n, o) if int4 else _int8_output(x, q, scale, n, o)
+

@@ -92,8 +92,9 @@ def _forward_mma(x, w, res, y):
         cuda.syncthreads()   # before the next group's sums
 
 
-def forward(x, w, r):
-    check_shapes(x, w, r)
+def forward(x, r, *w):
+    check_shapes(x, r, *w)
+    (w,) = w
     y = runtime.empty(r.shape, r.dtype)
     if w.dtype == BF16:
         runtime.launch(_forward_mma, runtime.blocks_for(w.shape[0], TILE), MMA_WARPS * WARP, in_chunks(x), in_chunks(w),

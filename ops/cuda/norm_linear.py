@@ -68,8 +68,9 @@ def _forward(x, g, w, features, eps, group, y):
                     y[r0 + r, o] = stored(y, total * rstd)
 
 
-def forward(x, g, w, *, eps):
-    check_shapes(x, g, w)
+def forward(x, g, *w, eps):
+    check_shapes(x, g, *w)
+    (w,) = w
     y = runtime.empty((x.shape[0], w.shape[0]), x.dtype)
     if w.dtype == BF16:
         launch_norm_tiles(x, g, w, eps, 1, y)

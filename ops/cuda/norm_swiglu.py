@@ -72,8 +72,9 @@ def _forward(x, g, w, features, eps, group, y):
                     y[r0 + r, f] = stored(y, swiglu(gate * rstd, up * rstd))
 
 
-def forward(x, g, w, *, eps):
-    check_shapes(x, g, w)
+def forward(x, g, *w, eps):
+    check_shapes(x, g, *w)
+    (w,) = w
     F = w.shape[0] // 2
     y = runtime.empty((x.shape[0], F), x.dtype)
     if w.dtype == BF16:

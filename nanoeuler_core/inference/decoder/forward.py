@@ -51,13 +51,13 @@ class DecodeForward:
         x, _ = f.embedding.forward(ids, self.w.tok_emb)
         for L, (k_cache, v_cache) in zip(self.w.layers, kv):
             # attention Euler step: x = x + wo(attention(rope(q), rope(k), v)) of rmsnorm(x)
-            qkv, _ = f.norm_linear.forward(x, L.attn_norm, L.wqkv, eps=eps)
+            qkv, _ = f.norm_linear.forward(x, L.attn_norm, *L.wqkv, eps=eps)
             o, _ = f.decode_attention.forward(qkv.reshape(B, T, H + 2 * KV, D), k_cache, v_cache, pos,
                                               n_kv_heads=KV, theta=cfg.rope_theta)
-            x, _ = f.linear_residual.forward(o.reshape(B * T, H * D), L.wo, x)
+            x, _ = f.linear_residual.forward(o.reshape(B * T, H * D), x, *L.wo)
             # feed-forward Euler step: x = x + w_down(silu(w_gate h) * w_up h) of rmsnorm(x)
-            act, _ = f.norm_swiglu.forward(x, L.ffn_norm, L.w_gate_up, eps=eps)
-            x, _ = f.linear_residual.forward(act, L.w_down, x)
+            act, _ = f.norm_swiglu.forward(x, L.ffn_norm, *L.w_gate_up, eps=eps)
+            x, _ = f.linear_residual.forward(act, x, *L.w_down)
         return x
 
     def sample(self, x, B: int, T: int, state):
@@ -65,7 +65,7 @@ class DecodeForward:
         counters, pos and the sampling settings of B rows), then the sample op on them: the
         accepted counts (B,)."""
         f, cfg, W = self.f, self.cfg, state[0].shape[1]
-        logits, _ = f.norm_linear.forward(x, self.w.norm, self.w.heads[:W * cfg.vocab_size], eps=cfg.norm_eps)
+        logits, _ = f.norm_linear.forward(x, self.w.norm, *self.w.heads_of(W), eps=cfg.norm_eps)
         accepted, _ = f.sample.forward(logits.reshape(B, T, W, cfg.vocab_size), *state, max_pos=cfg.ctx_len)
         return accepted
 
