@@ -15,6 +15,7 @@ from nanoeuler_core.engine.model import Model
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.inference.template import ChatTemplate
 from nanoeuler_core.interop.gguf import gguf_name, import_gguf, unpermute_rotary
+from nanoeuler_core.quantized import dequantize, weight_format
 from nanoeuler_core.text.hf_json import byte_level_spelling
 from nanoeuler_core.text.tokenizer import Tokenizer
 
@@ -132,10 +133,10 @@ def test_f32_import_gives_the_original_weights_and_logits(original, tmp_path):
     ids = np.array([tok.encode(CORPUS[:1000])[:64], tok.encode(CORPUS[5000:6000])[:64]])
     logits = model.forward(ids)
     assert float(np.abs(ours.forward(ids) - logits).max()) <= 1e-6 * float(np.abs(logits).max())
-    assert not any("dequantized" in m for m in messages)
+    assert not any(m.startswith(("kept", "dequantized")) for m in messages) and not ours.quantized
 
 
-def test_quantized_tensors_are_dequantized_and_q_k_unpermuted(original, tmp_path):
+def test_quantized_tensors_are_kept_or_dequantized_and_q_k_unpermuted(original, tmp_path):
     model, tok = original
     ours, _, messages = imported(tmp_path, model, tok, types=QUANTIZED)
     expected = expected_params(model, QUANTIZED)
@@ -146,8 +147,15 @@ def test_quantized_tensors_are_dequantized_and_q_k_unpermuted(original, tmp_path
     assert np.array_equal(ours.forward(ids), reference.forward(ids))
     # quantization noise only: Q8_0 and Q4_1 weights stay near the originals
     assert np.abs(ours.params["layers.0.wq"] - model.params["layers.0.wq"]).max() < 0.01
-    assert [m for m in messages if "dequantized" in m] == ["dequantized to float32 (nanoeuler has no quantized "
-                                                           "weights): 1 BF16, 1 F16, 1 Q4_0, 3 Q4_1, 3 Q8_0 tensors"]
+    assert [m for m in messages if m.startswith(("kept", "dequantized"))] == [
+        "kept quantized, in the int8 and int4 formats decoding reads: 1 Q4_0 (int4), 3 Q4_1 (int4), 3 Q8_0 (int8) tensors",
+        "dequantized to float32: 1 BF16, 1 F16 tensors"]
+    # the kept matrices are the file's own blocks, Q and K rows unpermuted like the float ones
+    assert {n: weight_format(*w)[:2] for n, w in ours.quantized.items()} == {
+        "tok_emb": ("int8", 32), "layers.0.wq": ("int8", 32), "layers.0.wk": ("int4", 32),
+        "layers.1.wk": ("int8", 32), "layers.1.w_down": ("int4", 32), "heads.0": ("int4", 32),
+        "layers.1.wo": ("int4", 32)}
+    assert all(np.array_equal(dequantize(*w).astype(np.float32), expected[n]) for n, w in ours.quantized.items())
 
 
 def test_unpermuted_q_and_k_under_hf_rope_give_llama_cpp_attention_scores():

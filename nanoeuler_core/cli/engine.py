@@ -247,6 +247,9 @@ def bench(
     precision: Optional[str] = typer.Option(None, help="fp32, tf32 or bf16, in both engines (default: bf16 on a CUDA "
                                                        "GPU with tensor cores, fp32 on the CPU); with --generate: "
                                                        "bf16 or fp32, the weights nanoeuler's decoding reads"),
+    decode_weights: Optional[str] = typer.Option(None, help="with --generate: the weights nanoeuler's decoding reads, "
+                                                            "bf16, fp32, int8 or int4 (default: --precision's; a "
+                                                            "quantized run's own)"),
     profile: bool = typer.Option(False, help="also time each op in an eager step"),
     recompute: bool = typer.Option(False, help="nanoeuler with " + RECOMPUTE_HELP),
     peers: bool = typer.Option(True, help="compare with PyTorch where it is installed"),
@@ -279,7 +282,8 @@ def bench(
 
         if precision not in (None, "fp32", "bf16"):
             raise ValueError("decoding reads bf16 or fp32 weights: pass --precision bf16 or fp32 with --generate")
-        check_weights(backend, precision)
+        weights = decode_weights or precision
+        check_weights(backend, weights)
         if prompt_tokens < 1 or new_tokens < 1 or prefill_tokens < 1 or temperature < 0:
             raise ValueError("bench --generate needs positive --prompt-tokens, --new-tokens and --prefill-tokens, "
                              "and --temperature >= 0")
@@ -291,7 +295,7 @@ def bench(
         if not corpus.is_file():
             raise ValueError(f"{run} was trained on {corpus}, which is missing: the prompts come from it")
         generation.run(preset, backend, str(run) if run else None, batch_size, prompt_tokens, new_tokens, steps,
-                       temperature, peers, precision, prefill_tokens, prompt_from, echo=typer.echo)
+                       temperature, peers, weights, prefill_tokens, prompt_from, echo=typer.echo)
         return
     from nanoeuler_core.bench import training as benchmark
 

@@ -8,7 +8,8 @@ from typing import Iterator, Optional
 
 import typer
 
-from nanoeuler_core.cli.train import PRECISION_HELP, RECOMPUTE_HELP, SPECULATIVE_HELP, log_run, rank0_log, stream_text
+from nanoeuler_core.cli.train import (DECODE_WEIGHTS_HELP, PRECISION_HELP, RECOMPUTE_HELP, SPECULATIVE_HELP, log_run,
+                                     rank0_log, stream_text)
 from nanoeuler_core.inference.chat import Conversation
 from nanoeuler_core.inference.decoder import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling, generate, prompt_ids
@@ -150,6 +151,7 @@ def chat_command(
     top_p: Optional[float] = typer.Option(None, help="sample among the most likely tokens holding this probability"),
     seed: Optional[int] = typer.Option(None, help="seed for reproducible replies"),
     speculative: Optional[bool] = typer.Option(None, "--speculative/--no-speculative", help=SPECULATIVE_HELP),
+    decode_weights: Optional[str] = typer.Option(None, help=DECODE_WEIGHTS_HELP),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
     template: Optional[str] = typer.Option(None, help=CHAT_TEMPLATE_HELP),
     system: Optional[str] = typer.Option(None, help="a system message opening the conversation (for templates "
@@ -181,7 +183,7 @@ def chat_command(
             continue
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=None if seed is None else seed + turn, on_text=stream_text, speculative=speculative,
-                        stats=stats)
+                        stats=stats, weights=decode_weights)
         try:
             if chat_template:
                 conversation.say(model, tok, line, **sampling)

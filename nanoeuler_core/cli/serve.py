@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from nanoeuler_core.cli.finetune import CHAT_TEMPLATE_HELP
-from nanoeuler_core.cli.train import SPECULATIVE_HELP
+from nanoeuler_core.cli.train import DECODE_WEIGHTS_HELP, SPECULATIVE_HELP
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.inference.template import ChatTemplate
 
@@ -27,6 +27,7 @@ def serve(
     max_queue: int = typer.Option(64, help="requests that may wait for a row; more are refused (HTTP 429)"),
     template: Optional[str] = typer.Option(None, help=CHAT_TEMPLATE_HELP),
     speculative: Optional[bool] = typer.Option(None, "--speculative/--no-speculative", help=SPECULATIVE_HELP),
+    decode_weights: Optional[str] = typer.Option(None, help=DECODE_WEIGHTS_HELP),
 ) -> None:
     """Serve the model in RUN_DIR: an OpenAI-compatible API (POST /v1/completions and
     /v1/chat/completions, streamed or not; GET /v1/models, /health) and a chat page at /. Concurrent
@@ -43,7 +44,8 @@ def serve(
         max_batch = 32 if model.backend.multi_token_step_cheap else 8
     name = Path(run_dir).resolve().name
     created = int((Path(run_dir) / "config.json").stat().st_mtime)
-    app = create_app(ServedModel(model, tok, name, chat_template, created), max_batch, max_queue, speculative)
+    app = create_app(ServedModel(model, tok, name, chat_template, created), max_batch, max_queue, speculative,
+                     decode_weights)
     sock = listen(host, port)
     address = sock.getsockname()
     url = f"http://{host if ':' not in host else f'[{host}]'}:{address[1]}"

@@ -176,7 +176,8 @@ def stream_text(piece: str) -> None:
 SPECULATIVE_HELP = ("self-speculative decoding with the multi-token-prediction heads: the same greedy output, "
                     "the same sampling distribution (default: greedy steps speculate where measured faster; "
                     "sampled ones where the backend's wide steps are cheap, --backend cuda)")
-DECODE_WEIGHTS_HELP = "bf16 or fp32: the weights decoding reads (default: bf16 where the backend runs it, a GPU)"
+DECODE_WEIGHTS_HELP = ("the weights decoding reads: bf16, fp32, int8 or int4 (quantized as the run is if it is, else "
+                       "as `quantize` does; default: a quantized run's own, else bf16 where the backend runs it, a GPU)")
 
 
 def generate(

@@ -60,13 +60,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from nanoeuler_core import registry
+from nanoeuler_core import quantized, registry
 from nanoeuler_core.engine.checkpoint import FORMAT, CheckpointError, load_tensors, read_json, save_tensors, write_json
 from nanoeuler_core.engine.config import ModelConfig
 
 MODEL_OPS = ("embedding", "rmsnorm", "add_rmsnorm", "linear", "qkv_rope", "attention", "swiglu", "add",
              "classifier")
 STACKED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}   # one matrix product each
+QUANTIZED_PARTS = ("q", "scale", "zero")   # a quantized matrix's tensors in a run's file: name.q, ...
 
 
 @dataclass
@@ -156,6 +157,9 @@ class Model:
         self.forward_weights = self.weight_set(self.compute_flat)
         self.layers, self.next_norms = self.forward_weights.layers, self.forward_weights.next_norms
         self.layer_grads = self.block_weights(self.grad_flat)
+        # name -> (q, scale, zero) on the host: the matrices a quantized run stores, whose dequantized
+        # values the master weights hold (docs/files.md, "Quantized runs")
+        self.quantized: dict[str, tuple] = {}
         # (K V, C); tied, head 0 is tok_emb, which the layout puts just before heads.1
         heads = cfg.head_names()
         self.heads, self.head_grads = self.stacked(self.compute_flat, heads), self.stacked(self.grad_flat, heads)
@@ -240,8 +244,9 @@ class Model:
         """The context every computation of this model runs in (its backend's set-up)."""
         return self.backend.computing()
 
-    def load_params(self, params: dict) -> None:
-        """Copy `params` (name -> array with the shapes of docs/model.md) into the model."""
+    def load_params(self, params: dict, keep_quantized: bool = False) -> None:
+        """Copy `params` (name -> array with the shapes of docs/model.md) into the model (which
+        forgets its quantized matrices, unless `keep_quantized`: params are their values)."""
         expected = self.cfg.param_shapes()
         missing, unexpected = sorted(set(expected) - set(params)), sorted(set(params) - set(expected))
         if missing or unexpected:
@@ -253,6 +258,8 @@ class Model:
         for name in expected:
             self.backend.copy_(self.master[name], np.ascontiguousarray(params[name], dtype=self.backend.dtype))
         self.refresh_compute_weights()
+        if not keep_quantized:
+            self.quantized = {}
 
     # ----------------------------------------------------------------------------------------
     # batches
@@ -545,11 +552,38 @@ class Model:
     # ----------------------------------------------------------------------------------------
     # files
 
+    def quantize(self, fmt: str, group: int = 0, zero_point: bool = True) -> None:
+        """Quantize the matrices decoding reads: the blocks' in `fmt` ("int8" or "int4") with groups
+        of `group` weights (0: int8 a scale per output channel, int4 groups of 32), the heads in int8
+        (a scale per output channel); the master weights then hold the dequantized values, and
+        `save` writes the quantized tensors (docs/files.md, "Quantized runs")."""
+        group = group or quantized.DEFAULT_GROUP[fmt]
+        params = self.params
+        formats = {name: (fmt, group) for name in self.cfg.param_shapes() if name.startswith("layers.")
+                   and len(params[name].shape) == 2}
+        formats |= {name: ("int8", 0) for name in self.cfg.head_names()}
+        self.quantized = {name: quantized.quantize(params[name], f, g, zero_point) for name, (f, g) in formats.items()}
+        self.load_params(params | {name: quantized.dequantize(*w) for name, w in self.quantized.items()},
+                         keep_quantized=True)
+
+    def _saved_tensors(self) -> dict[str, np.ndarray]:
+        """The tensors `save` writes: the parameters, each quantized matrix as name.q, name.scale,
+        name.zero, unless the model has learnt since (its master weights no longer its dequantized
+        values: then the float weights, which lose nothing)."""
+        tensors = self.params
+        for name, w in list(self.quantized.items()):
+            if np.array_equal(quantized.dequantize(*w).astype(np.float32), tensors[name]):
+                del tensors[name]
+                tensors |= {f"{name}.{part}": a for part, a in zip(QUANTIZED_PARTS, w)}
+            else:
+                del self.quantized[name]
+        return tensors
+
     def save(self, run_dir, training: dict | None = None) -> None:
         """Write config.json and model.safetensors (docs/files.md) into `run_dir`, atomically."""
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_tensors(run_dir / "model.safetensors", self.params)
+        save_tensors(run_dir / "model.safetensors", self._saved_tensors())
         config = {"format": FORMAT, **self.cfg.to_dict()}
         if training is not None:
             config["training"] = training
@@ -572,7 +606,10 @@ class Model:
         tensors, _ = load_tensors(run_dir / "model.safetensors")
         model = cls(cfg, backend=backend, precision=precision)
         try:
-            model.load_params(tensors)
+            parts = {name[:-2] for name in tensors if name.endswith(".q")}
+            model.quantized = {name: tuple(tensors.pop(f"{name}.{part}") for part in QUANTIZED_PARTS) for name in parts}
+            tensors |= {name: quantized.dequantize(*w) for name, w in model.quantized.items()}
+            model.load_params(tensors, keep_quantized=True)
         except ValueError as exc:
             raise CheckpointError(f"{run_dir / 'model.safetensors'} does not match config.json: {exc}") from None
         return model

@@ -37,12 +37,13 @@ def fit_context(tok, messages: list[dict], ctx_len: int, reply_room: int, templa
 
 def chat(model, tok, messages: list[dict], max_new_tokens: int = 200, temperature: float = 0.8,
          top_k: int | None = None, top_p: float | None = None, seed: int | None = None, on_text=None,
-         speculative: bool | None = None, stats=None, template: ChatTemplate | None = None) -> str:
+         speculative: bool | None = None, stats=None, template: ChatTemplate | None = None,
+         weights: str | None = None) -> str:
     """The model's reply to the conversation `messages` in `template` (default Alpaca; see the
     module docstring), up to the template's end-of-turn token.
 
     `on_text(piece)` receives the reply as it is produced. The reply is not appended to `messages`.
-    `speculative` and `stats` are generate's (nanoeuler_core.inference.generate).
+    `speculative`, `stats` and `weights` are generate's (nanoeuler_core.inference.generate).
     """
     template = template or ChatTemplate.alpaca()
     template.check(messages)
@@ -52,7 +53,8 @@ def chat(model, tok, messages: list[dict], max_new_tokens: int = 200, temperatur
     chat_tok = template.tokenizer(tok)
     prompt = template.render(fit_context(chat_tok, messages, model.cfg.ctx_len, reply_room, template))
     return generate(model, chat_tok, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                    top_p=top_p, seed=seed, on_text=on_text, speculative=speculative, stats=stats)
+                    top_p=top_p, seed=seed, on_text=on_text, speculative=speculative, stats=stats,
+                    weights=weights)
 
 
 class Conversation:

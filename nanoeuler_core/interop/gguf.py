@@ -9,8 +9,10 @@
     norm                      output_norm.weight
     heads.0                   output.weight (none when the file ties them: the run ties them too)
 
-F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors are read, dequantized to float32. llama.cpp's
-converter permutes the rows of Q and K for its interleaved RoPE; they are permuted back to the
+F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors are read. Q8_0, Q4_0 and Q4_1 matrices are kept as
+they are, in nanoeuler's int8 and int4 formats (nanoeuler_core/quantized.py: blocks of 32 weights
+with a scale, and for 4 bits an offset: Q4_0's is -8 * scale), which decoding reads; the float
+weights are their values. The others become float32. llama.cpp's converter permutes the rows of Q and K for its interleaved RoPE; they are permuted back to the
 Hugging Face layout the model's RoPE expects. The tokenizer (a byte-level BPE, "gpt2" in GGUF's
 terms) becomes the equivalent tokenizer.json, the chat template goes into tokenizer_config.json.
 The `gguf` package reads the file; nanoeuler needs it only here.
@@ -28,6 +30,7 @@ import numpy as np
 
 from nanoeuler_core.engine.checkpoint import CheckpointError
 from nanoeuler_core.engine.config import ModelConfig
+from nanoeuler_core.engine.model import QUANTIZED_PARTS
 from nanoeuler_core.inference.template import ChatTemplate, TemplateError
 from nanoeuler_core.interop.hf import check_import_options, model_config_from_hf, write_imported_run
 from nanoeuler_core.text.base_tokenizer import TokenizerError
@@ -39,6 +42,7 @@ _LAYER_NAMES = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_
                 "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
 _GGUF_LAYER_NAME = {ours: theirs for theirs, ours in _LAYER_NAMES.items()}
 _READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+_KEPT_TYPES = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}   # -> the format they are kept in
 
 # tokenizer.ggml.pre -> the tokenizer.json pre_tokenizer that splits text as llama.cpp does for it.
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -151,10 +155,28 @@ def model_config_from_gguf(meta: dict, path: Path, n_mtp: int, ctx_len: int | No
     return model_config_from_hf(config, path, n_mtp, ctx_len)
 
 
-def _read_tensors(reader, gguf, cfg: ModelConfig, path: Path) -> tuple[dict[str, np.ndarray], Counter]:
-    """Every tensor as float32 in nanoeuler's layout, and how many of each stored type were dequantized."""
+def quantized_matrix(kind: str, data: np.ndarray, shape: tuple[int, int]) -> tuple:
+    """The Q8_0, Q4_0 or Q4_1 matrix `data` (its raw blocks) of shape (O, K) as (q, scale, zero) in
+    nanoeuler's int8 or int4 format: the same nibbles and bytes, the float16 scales as float32."""
+    O, K = shape
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(O, K // 32, -1)
+
+    def half(at):   # a float16 of every block, at byte `at`
+        return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    d = half(0)
+    if kind == "Q8_0":
+        return blocks[..., 2:].copy().view(np.int8).reshape(O, K), d, np.zeros((O, 0), np.float32)
+    if kind == "Q4_0":
+        return blocks[..., 2:].reshape(O, K // 2).copy(), d, np.float32(-8.0) * d
+    return blocks[..., 4:].reshape(O, K // 2).copy(), d, half(2)
+
+
+def _read_tensors(reader, gguf, cfg: ModelConfig, path: Path) -> tuple[dict, Counter, Counter]:
+    """Every tensor in nanoeuler's layout: float32, or (q, scale, zero) for the quantized matrices
+    kept as they are; and how many of each stored type were kept, and dequantized."""
     expected = cfg.param_shapes()
-    params, dequantized = {}, Counter()
+    params, kept, dequantized = {}, Counter(), Counter()
     for tensor in reader.tensors:
         ours = nanoeuler_name(tensor.name)
         if ours is None or ours not in expected:
@@ -170,18 +192,19 @@ def _read_tensors(reader, gguf, cfg: ModelConfig, path: Path) -> tuple[dict[str,
         if tuple(reversed(ne)) != shape:
             raise CheckpointError(f"{path}: tensor {tensor.name} has shape {ne} (GGML order), the metadata "
                                   f"implies {list(reversed(shape))}")
-        if kind == "F32":
-            array = np.array(tensor.data, dtype=np.float32)
+        if kind in _KEPT_TYPES and len(shape) == 2:
+            arrays = quantized_matrix(kind, tensor.data, shape)
+            kept[kind] += 1
+        elif kind == "F32":
+            arrays = (np.array(tensor.data, dtype=np.float32).reshape(shape),)
         else:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+            arrays = (gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape),)
             dequantized[kind] += 1
-        array = array.reshape(shape)
-        if ours.endswith(".wq"):
-            array = unpermute_rotary(array, cfg.n_heads)
-        elif ours.endswith(".wk"):
-            array = unpermute_rotary(array, cfg.n_kv_heads)
-        params[ours] = array
-    return params, dequantized
+        if ours.endswith(".wq") or ours.endswith(".wk"):   # the rows of each part
+            heads = cfg.n_heads if ours.endswith(".wq") else cfg.n_kv_heads
+            arrays = tuple(unpermute_rotary(a, heads) for a in arrays)
+        params[ours] = arrays[0] if len(arrays) == 1 else arrays
+    return params, kept, dequantized
 
 
 def tokenizer_from_gguf(meta: dict, path: Path) -> HFTokenizer:
@@ -259,7 +282,7 @@ def import_gguf(path: Path, out_dir: Path, n_mtp: int | None = None, ctx_len: in
     tok = tokenizer_from_gguf(meta, path)
     template = _chat_template(meta, path, log)
 
-    params, dequantized = _read_tensors(reader, gguf, cfg, path)
+    params, kept, dequantized = _read_tensors(reader, gguf, cfg, path)
     # no output.weight: head 0 is token_embd.weight (GGUF's metadata says nothing of it; the tensors do)
     tied = "heads.0" not in params and "tok_emb" in params
     if tied:
@@ -271,10 +294,18 @@ def import_gguf(path: Path, out_dir: Path, n_mtp: int | None = None, ctx_len: in
         raise CheckpointError(f"{path}: the file lacks tensor {missing[0]}"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
 
-    write_imported_run(out_dir, cfg, params, tok, template, path)
+    tensors = {}
+    for name in cfg.param_shapes():
+        value = params[name]
+        tensors |= {f"{name}.{part}": a for part, a in zip(QUANTIZED_PARTS, value)} if isinstance(value, tuple) \
+            else {name: value}
+    write_imported_run(out_dir, cfg, tensors, tok, template, path)
+    if kept:
+        log("kept quantized, in the int8 and int4 formats decoding reads: "
+            + ", ".join(f"{n} {kind} ({_KEPT_TYPES[kind]})" for kind, n in sorted(kept.items())) + " tensors")
     if dequantized:
-        log("dequantized to float32 (nanoeuler has no quantized weights): "
-            + ", ".join(f"{n} {kind}" for kind, n in sorted(dequantized.items())) + " tensors")
+        log("dequantized to float32: " + ", ".join(f"{n} {kind}" for kind, n in sorted(dequantized.items()))
+            + " tensors")
     if tied:
         log("the file ties its embeddings and head (no output.weight): so does the run, head 0 reads tok_emb")
     log(f"imported {path} ({cfg.n_params():,} parameters, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "

@@ -322,7 +322,7 @@ def import_checkpoint(hf_dir: Path, out_dir: Path, n_mtp: int | None = None, ctx
         log(f"warning: the chat template is not carried over ({exc}); chat with the run needs --template")
         template = None
 
-    write_imported_run(out_dir, cfg, params, tok, template, hf_dir)
+    write_imported_run(out_dir, cfg, {name: params[name] for name in expected}, tok, template, hf_dir)
     log(f"imported {hf_dir} ({cfg.n_params():,} parameters, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
         f"context {cfg.ctx_len}, {n_mtp} head(s)"
         + (f", heads 1..{n_mtp - 1} copied from head 0" if n_mtp > len(extra_heads) + 1 else "")
@@ -346,7 +346,8 @@ def check_import_options(out_dir: Path, n_mtp: int | None, ctx_len: int | None) 
 
 def write_imported_run(out_dir: Path, cfg: ModelConfig, params: dict[str, np.ndarray], tok, template,
                        source: Path) -> None:
-    """The run directory of an imported model: tokenizer (and chat template), weights, config.json last."""
+    """The run directory of an imported model: tokenizer (and chat template), the tensors of
+    model.safetensors (`params`: each parameter, or a quantized matrix's parts), config.json last."""
     # Continued pretraining (`pretrain --resume`) starts at step 0 with fresh AdamW moments and the
     # settings of the larger preset (peak lr 3e-4); sft and dpo take their own.
     training = {**asdict(TrainConfig(preset="gpu", steps=1000)), "imported_from": str(source)}
@@ -354,7 +355,7 @@ def write_imported_run(out_dir: Path, cfg: ModelConfig, params: dict[str, np.nda
     tok.save(out_dir / "tokenizer.json")  # with tokenizer_config.json naming its end-of-text token
     if template is not None:
         template.save(out_dir)
-    checkpoint.save_tensors(out_dir / "model.safetensors", {name: params[name] for name in cfg.param_shapes()})
+    checkpoint.save_tensors(out_dir / "model.safetensors", params)
     checkpoint.write_json(out_dir / "config.json", {"format": FORMAT, **cfg.to_dict(), "training": training})
 
 

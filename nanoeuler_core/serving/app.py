@@ -65,10 +65,11 @@ def _json(content, status: int = 200) -> Response:
     return Response(orjson.dumps(content), status, media_type="application/json")
 
 
-def create_app(served: ServedModel, max_batch: int = 8, max_queue: int = 64, speculative: bool = False) -> Starlette:
+def create_app(served: ServedModel, max_batch: int = 8, max_queue: int = 64, speculative: bool = False,
+               weights: str | None = None) -> Starlette:
     """The ASGI app serving `served` through a Scheduler of `max_batch` rows, at most `max_queue`
     requests waiting (the scheduler starts and stops with the app's lifespan)."""
-    api = _Api(served, Scheduler(served.model, served.tok, max_batch, max_queue, speculative))
+    api = _Api(served, Scheduler(served.model, served.tok, max_batch, max_queue, speculative, weights))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -134,11 +134,12 @@ class _Choice:
 class Scheduler:
     """Continuous batching over one Decoder of `max_batch` rows (see the module docstring)."""
 
-    def __init__(self, model, tok, max_batch: int, max_queue: int, speculative: bool = False):
+    def __init__(self, model, tok, max_batch: int, max_queue: int, speculative: bool = False,
+                 weights: str | None = None):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         self.tok, self.max_batch, self.max_queue = tok, max_batch, max_queue
-        self.decoder = Decoder(model, max_batch, speculative)
+        self.decoder = Decoder(model, max_batch, speculative, weights=weights)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Choice] = collections.deque()
         self._rows: dict[int, _Choice] = {}           # row -> the choice decoding in it

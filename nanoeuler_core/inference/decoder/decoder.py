@@ -46,7 +46,7 @@ class Decoder:
         self.policy = SpeculationPolicy(self.K, adaptive=speculative is None and self.K > 1,
                                         multi_token_step_cheap=self.be.multi_token_step_cheap)
         ops = registry.kernels_on(model.backend_name, DECODE_OPS)
-        self.weights = check_weights(model.backend_name, weights)
+        self.weights = check_weights(model.backend_name, weights, model)
         self.bytes_needed = KVCache.bytes_needed(self.be, cfg, batch_size, self.K)
         limit = self.be.memory_limit()
         if limit is not None and self.bytes_needed > limit:
