@@ -130,7 +130,27 @@ def test_eval_command_prints_json_and_writes_the_items(run_dir, tmp_path, monkey
     assert len(detail["items"]) == 5 and len(detail["items"][0]["logprobs"]) == 4
 
 
+def test_text_loss_is_the_mean_next_token_loss_over_windows(run_dir, tok, tmp_path, monkeypatch, capsys):
+    """`eval --task loss`: windows of --window targets, each token predicted from those before it in
+    its window; the mean of their cross-entropies, whatever the batch."""
+    text = CORPUS[300_000:302_000]
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    code, stdout, stderr = run_cli(monkeypatch, capsys, "eval", run_dir, "--task", "loss", "--data",
+                                   tmp_path / "text.txt", "--window", 50, "--batch-size", 3)
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    ids = tok.encode(text)
+    model = Model.load(run_dir)
+    total = 0.0
+    for start in range(0, len(ids) - 1, 50):
+        piece = np.array([ids[start:start + 51]])
+        total -= model.token_logprobs(piece[:, :-1], piece[:, 1:]).sum()
+    assert result["tokens"] == len(ids) - 1 and result["loss"] == pytest.approx(total / (len(ids) - 1), rel=1e-5)
+    assert result["perplexity"] == pytest.approx(np.exp(result["loss"])) and "nats" in stderr
+
+
 @pytest.mark.parametrize("args, message", [
+    (("--task", "loss"), "eval --task loss needs --data"),
     (("--task", "mmlu"), "unknown task 'mmlu'"),
     (("--data", "{bad}"), "not a HellaSwag item"),
     (("--data", "{missing}"), "not found"),

@@ -1,4 +1,4 @@
-"""Evaluation commands: `eval` (HellaSwag) and `plot` (training curves)."""
+"""Evaluation commands: `eval` (HellaSwag, or the loss on a text file) and `plot` (training curves)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import typer
 
 from nanoeuler_core.corpus.downloads import HELLASWAG_DEFAULT
 from nanoeuler_core.engine.checkpoint import atomic_write
-from nanoeuler_core.eval import curves, hellaswag
+from nanoeuler_core.eval import curves, hellaswag, text_loss
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.training.pretrain import Progress
 
-TASKS = ("hellaswag",)
+TASKS = ("hellaswag", "loss")
 
 
 def hellaswag_file(data: Optional[Path]) -> Path:
@@ -29,16 +29,27 @@ def hellaswag_file(data: Optional[Path]) -> Path:
 
 def eval_command(
     run_dir: Path = typer.Argument(..., help="a run directory"),
-    task: str = typer.Option("hellaswag", help="benchmark to score (hellaswag)"),
+    task: str = typer.Option("hellaswag", help="hellaswag, or loss: the next-token loss on the text file --data"),
     limit: Optional[int] = typer.Option(None, help="score only the first N items"),
     backend: str = typer.Option("cpu", help="cpu, cuda or reference"),
     data: Optional[Path] = typer.Option(None, help=f"the task's data file (default: {HELLASWAG_DEFAULT})"),
     out: Optional[Path] = typer.Option(None, help="also write the result, with every item's scores, to this JSON file"),
     batch_size: int = typer.Option(32, help="sequences scored per forward pass"),
+    window: int = typer.Option(1024, help="--task loss: tokens a window predicts (capped at the context)"),
 ) -> None:
-    """Score RUN_DIR on a benchmark as lm-evaluation-harness does; prints the result as JSON."""
+    """Score RUN_DIR on HellaSwag as lm-evaluation-harness does, or its next-token loss on a text
+    file; prints the result as JSON."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r} (available: {', '.join(TASKS)})")
+    if task == "loss":
+        if data is None or not data.is_file() or window < 1 or batch_size < 1:
+            raise ValueError("eval --task loss needs --data, an existing text file, and positive --window and --batch-size")
+        model, tok = load_model(run_dir, backend)
+        result = text_loss.evaluate(model, tok, data, window, batch_size)
+        typer.echo(f"loss on {result['tokens']:,} tokens of {data}: {result['loss']:.4f} nats "
+                   f"(perplexity {result['perplexity']:.2f})", err=True)
+        typer.echo(orjson.dumps(result | {"run": str(run_dir), "data": str(data), "backend": backend}).decode())
+        return
     path = hellaswag_file(data)
     items = hellaswag.load_items(path, limit)
     model, tok = load_model(run_dir, backend)
