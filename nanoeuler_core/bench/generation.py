@@ -1,26 +1,30 @@
 """Decoding speed: nanoeuler's plain, self-speculative and default (the policy that chooses per
-step, docs/decoding.md) decoding against PyTorch on the same weights, each with a KV cache, in one run.
+step, docs/decoding.md) decoding against PyTorch and Hugging Face transformers on the same weights,
+each with a KV cache, in one run.
 
 nanoeuler's three modes share one process, a decoder each on the same weights, and take turns: a
 round times one generation of each, so that the machine's drift (clocks, other work) falls on every
 mode alike and their ratios compare like with like, and each round starts one mode further on, so
 that no mode always runs right after the same other one (a heavy forced-speculative run may leave
-the clocks lower for whichever comes next); a mode's memory is the model's plus what its
-decoder added (on a CPU, the growth of the peak resident set: the first mode's includes
-compiling). Each peer runs in its own process (separate thread pools, compilation caches and peak
-memory): PyTorch eager with a static KV cache, and on a GPU PyTorch with
-torch.compile(mode="reduce-overhead"): the static cache and one decoding step captured as a CUDA
-graph, as gpt-fast does. nanoeuler reads bf16 or float32 weights (`weights`; default bf16 where the
-backend runs it), accumulating in float32; PyTorch is float32 (TF32 off). Greedy by default, on one
-CPU thread for both engines on a CPU, the same prompt for every row. A run is a full generation
-(prefill + new tokens) of `tokens` new tokens per row; tokens/s is rows x tokens over its wall
-time, the median of `repeats` runs (rounds, for nanoeuler) after one warm-up (compilation, graph
-capture, and the policy's step timings). Prefill is timed apart, on a longer prompt of `prefill`
-tokens per row: a generation of one token (nanoeuler plain) and the prefill call (PyTorch), rows x
-prompt tokens over the median time. The speculative speed-up needs trained weights (a random
-model's heads agree with nothing): pass a run directory; its prompts come from the corpus it
-trained on. The memory bandwidth plain decoding achieves is the bytes a step reads
-(`plain_step_bytes`) over its time, against the card's where it is known.
+the clocks lower for whichever comes next); a mode's memory is the model's plus what its decoder
+added (on a CPU, the growth of the peak resident set: the first mode's includes compiling). Each
+peer runs in its own process (separate thread pools, compilation caches and peak memory): PyTorch
+eager with a static KV cache, and on a GPU PyTorch with torch.compile(mode="reduce-overhead"): the
+static cache and one decoding step captured as a CUDA graph, as gpt-fast does; and for a run
+directory, transformers' own `generate` (its dynamic KV cache) on the run exported to a temporary
+transformers directory, as its users decode. nanoeuler reads bf16 or float32 weights (`weights`;
+default bf16 where the backend runs it), accumulating in float32; PyTorch is float32 (TF32 off),
+transformers too except where nanoeuler decodes bf16 by default (a GPU): there it runs bf16 unless
+nanoeuler reads float32. Greedy by default (the peers run only then), on one CPU thread for every
+engine on a CPU, the same prompt for every row; the ratio line compares nanoeuler's best mode with
+the strongest peer. A run is a full generation (prefill + new tokens) of `tokens` new tokens per
+row; tokens/s is rows x tokens over its wall time, the median of `repeats` runs (rounds, for
+nanoeuler) after one warm-up (compilation, graph capture, and the policy's step timings). Prefill is
+timed apart, on a longer prompt of `prefill` tokens per row: a generation of one token (nanoeuler
+plain) and the prefill call (the peers), rows x prompt tokens over the median time. The speculative
+speed-up needs trained weights (a random model's heads agree with nothing): pass a run directory;
+its prompts come from the corpus it trained on. The memory bandwidth plain decoding achieves is the
+bytes a step reads (`plain_step_bytes`) over its time, against the card's where it is known.
 """
 
 from __future__ import annotations
@@ -144,19 +148,48 @@ def _timed(fn, repeats: int, sync=lambda: None) -> list[float]:
     return times
 
 
-def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, compile, prefill=0,
-                 prompt_from="held-out") -> dict:
+def _peer_device(backend: str) -> str:
+    """The device a PyTorch peer runs on, with torch set as every peer runs: float32 products
+    without TF32, and one thread on a CPU."""
     import torch
 
     from nanoeuler_core import registry
-    from nanoeuler_core.bench import torch_peer
-    from nanoeuler_core.bench.torch_peer import TorchModel
 
     device = registry.backend(backend).peer_device
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     if torch.device(device).type == "cpu":
         torch.set_num_threads(1)   # as nanoeuler's decoding: one token's ops are too small to share out
+    return device
+
+
+def _peer_figures(generate, prefill_once, repeats: int, device: str, warm_ups: int = 1) -> dict:
+    """A peer's row: its greedy tokens (row 0 of the last of `warm_ups` calls of generate), the
+    median of `repeats` timed generations, the median of `repeats` timed prefill_once calls after
+    one warm-up (if prefill_once), and its memory."""
+    from nanoeuler_core.bench import torch_peer
+
+    def sync():
+        torch_peer.synchronize(device)
+
+    for _ in range(warm_ups):
+        tokens = generate()
+    times = _timed(generate, repeats, sync)
+    prefill_s = None
+    if prefill_once is not None:
+        prefill_once()
+        prefill_s = statistics.median(_timed(prefill_once, repeats, sync))
+    return {"median_s": statistics.median(times), "memory_mb": torch_peer.peer_memory_mb(device),
+            "tokens": tokens[0].tolist(), "prefill_s": prefill_s}
+
+
+def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, compile, prefill=0,
+                 prompt_from="held-out") -> dict:
+    import torch
+
+    from nanoeuler_core.bench.torch_peer import TorchModel
+
+    device = _peer_device(backend)
     model, tok = load_weights(preset, run, "cpu")
     ids = bench_prompt(model.cfg, tok, prompt, prompt_from, run)
     peer = TorchModel(model.cfg, device=device).load(model.params).to(device)
@@ -176,22 +209,77 @@ def worker_torch(preset, run, backend, batch_size, prompt, tokens, repeats, comp
             out.append(token)
         return torch.cat(out, dim=1)
 
-    def sync():
-        torch_peer.synchronize(device)
+    @torch.no_grad()
+    def prefill_once():
+        peer.next_token(torch.tensor([long] * batch_size, device=device), torch.arange(len(long), device=device))
 
-    generate_greedy()
-    first = generate_greedy()   # a second warm-up: CUDA graphs are recorded on a later call
-    times = _timed(generate_greedy, repeats, sync)
-    prefill_s = None
-    if long:
-        @torch.no_grad()
-        def prefill_once():
-            peer.next_token(torch.tensor([long] * batch_size, device=device), torch.arange(len(long), device=device))
+    # a second warm-up: CUDA graphs are recorded on a later call
+    return _peer_figures(generate_greedy, prefill_once if long else None, repeats, device, warm_ups=2) \
+        | {"torch": torch.__version__}
 
-        prefill_once()
-        prefill_s = statistics.median(_timed(prefill_once, repeats, sync))
-    return {"median_s": statistics.median(times), "memory_mb": torch_peer.peer_memory_mb(device),
-            "tokens": first[0].tolist(), "torch": torch.__version__, "prefill_s": prefill_s}
+
+def worker_export(run, hf_dir) -> dict:
+    """The run written as a transformers directory `hf_dir` (nanoeuler_core.interop.hf)."""
+    from nanoeuler_core.interop.hf import export_run
+
+    export_run(Path(run), Path(hf_dir), log=lambda line: None)
+    return {"hf_dir": hf_dir}
+
+
+def worker_transformers(run, backend, batch_size, prompt, tokens, repeats, hf_dir, dtype, prefill=0,
+                        prompt_from="held-out") -> dict:
+    """Hugging Face transformers' `generate` on the run exported to `hf_dir`, in `dtype` (a torch
+    dtype's name), greedy with its default (dynamic) KV cache, as its users decode."""
+    import torch
+    import transformers
+
+    from nanoeuler_core.text.tokenizer import Tokenizer
+
+    device = _peer_device(backend)
+    tok = Tokenizer.load(Path(run) / "tokenizer.json")
+    ids = bench_prompt(None, tok, prompt, prompt_from, run)
+    long = bench_prompt(None, tok, prefill, run=run) if prefill else []
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    # greedy, with no end-of-text token to stop at: exactly `tokens` new tokens, as every engine here decodes
+    model.generation_config = transformers.GenerationConfig(do_sample=False)
+    start = torch.tensor([ids] * batch_size, device=device)
+
+    def generate_greedy():
+        return model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=tokens)[:, len(ids):]
+
+    @torch.no_grad()
+    def prefill_once():   # as generate's first step: the prompt into a fresh cache, the last position's logits
+        model(torch.tensor([long] * batch_size, device=device), logits_to_keep=1)
+
+    return _peer_figures(generate_greedy, prefill_once if long else None, repeats, device) \
+        | {"transformers": transformers.__version__}
+
+
+def transformers_rows(common: dict, weights: str | None, prefill: int, echo) -> dict:
+    """The transformers peer's row, {name: its figures}, on the run exported to a temporary
+    transformers directory; none, with a line saying so, where transformers is not installed.
+
+    It runs for every run, whatever its heads: the export holds head 0, so transformers decodes
+    as nanoeuler's plain mode does, and for an imported model (one head, plain decoding only) it
+    is the tool its users run today."""
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("transformers") is None:
+        echo("transformers is not installed: no transformers peer (pip install 'nanoeuler[hf]')")
+        return {}
+    from nanoeuler_core.inference.decoder.weights import weights_on
+
+    # bf16 where nanoeuler decodes bf16 by default (a GPU) unless it was asked for float32, as users run it there
+    dtype = "bfloat16" if weights_on(common["backend"]) == "bf16" and weights != "fp32" else "float32"
+    args = {k: v for k, v in common.items() if k != "preset"}
+    with tempfile.TemporaryDirectory() as folder:
+        # in a process of its own: on Linux a process starts with its parent's peak resident set, so
+        # a run loaded here would count in the peer's memory
+        exported = run_worker({"engine": "export", "run": common["run"], "hf_dir": str(Path(folder) / "hf")}, MODULE)
+        row = exported and run_worker({**args, "engine": "transformers", "hf_dir": exported["hf_dir"], "dtype": dtype,
+                                       "prefill": prefill}, MODULE)
+    return {f"transformers generate, {dtype}": row}
 
 
 def _agreement(tokens: list[int], reference: list[int]) -> str:
@@ -249,6 +337,8 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
             if be.peer_device != "cpu":   # CUDA graphs: a GPU peer only
                 rows["torch compile, static cache + CUDA graphs"] = run_worker(
                     {**common, "engine": "torch", "compile": True}, MODULE)
+            if run_dir is not None:   # random weights have no run to export (nor a tokenizer)
+                rows |= transformers_rows(common, weights, prefill, echo)
     plain = rows.get("nanoeuler plain")
     echo(f"{'engine':<44}{'tokens/s':>10}{'ms/step':>10}{'memory MB':>11}{'vs plain':>10}{'same tokens':>13}")
     for name, r in rows.items():
@@ -275,17 +365,20 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
     for name, r in rows.items():
         if r is not None and r.get("prefill_s"):
             r["prefill_tokens_per_s"] = batch_size * prefill / r["prefill_s"]
-            echo(f"prefill, {prefill}-token prompt x {batch_size}: {name.removesuffix(', KV cache')} "
+            echo(f"prefill, {prefill}-token prompt x {batch_size}: {name.split(',')[0]} "
                  f"{r['prefill_tokens_per_s']:.0f} tokens/s ({r['prefill_s'] * 1e3:.1f} ms)")
     best = max((r["tokens_per_s"] for n, r in rows.items() if r and n.startswith("nanoeuler")), default=0.0)
-    for name, r in rows.items():
-        if r is not None and name.startswith("torch"):
-            echo(f"ratio nanoeuler (best) / {name}: {best / r['tokens_per_s']:.2f}")
+    peer_speeds = {n: r["tokens_per_s"] for n, r in rows.items() if r and not n.startswith("nanoeuler")}
+    if best and peer_speeds:   # against the strongest peer: the others' ratios are in the table
+        strongest = max(peer_speeds, key=peer_speeds.get)
+        echo(f"ratio nanoeuler (best) / {strongest}: {best / peer_speeds[strongest]:.2f}")
     return {"machine": machine, "rows": rows}
 
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     engine = spec.pop("engine")
-    result = worker_nanoeuler(**spec) if engine == "nanoeuler" else worker_torch(**spec)
+    workers = {"nanoeuler": worker_nanoeuler, "torch": worker_torch, "transformers": worker_transformers,
+               "export": worker_export}
+    result = workers[engine](**spec)
     print(json.dumps(result))

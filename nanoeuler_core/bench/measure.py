@@ -28,8 +28,8 @@ def run_worker(args: dict, module: str) -> dict | None:
 
     env = dict(os.environ)
     first = ""
-    if args["engine"] == "torch":
-        # nanoeuler_core's import tunes OpenMP's idle threads for Numba: the peer keeps its own defaults
+    if args["engine"] in ("torch", "transformers"):
+        # nanoeuler_core's import tunes OpenMP's idle threads for Numba: a peer keeps its own defaults
         for name in nanoeuler_core.THREAD_ENV_SET_HERE:
             env.pop(name, None)
         first = "import torch; "
