@@ -44,16 +44,14 @@ MODULE = "nanoeuler_core.bench.generation"
 PEAK_GB_PER_S = {"H100": 3350.0, "H200": 4800.0}   # the cards' memory bandwidth (H100 SXM HBM3, H200 HBM3e)
 
 
-def plain_step_bytes(cfg, weights: str, batch_size: int, position: float) -> float:
+def plain_step_bytes(cfg, weights: str, matrix_bytes: int, batch_size: int, position: float) -> float:
     """Bytes a plain decoding step of `batch_size` rows at `position` reads from memory: the blocks'
-    matrices and norm scales and head 0 in the decoding weights' storage ("bf16" or "fp32"), the
-    final norm and the rows' embeddings in float32, and each row's cached keys and values up to
-    `position` (float32)."""
-    C, F, V, L = cfg.dim, cfg.hidden_dim, cfg.vocab_size, cfg.n_layers
-    D, H, KV = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    per_layer = (H + 2 * KV) * D * C + C * H * D + 2 * F * C + C * F + 2 * C
-    weight_bytes = (2 if weights == "bf16" else 4) * (L * per_layer + V * C) + 4 * C * (1 + batch_size)
-    return weight_bytes + 4 * batch_size * L * 2 * KV * D * (position + 1)
+    matrices and head 0 (`matrix_bytes`, as the decoder stores them), the blocks' norm scales (bf16
+    with "bf16" weights, else float32), the final norm and the rows' embeddings in float32, and each
+    row's cached keys and values up to `position` (float32)."""
+    C, L, D, KV = cfg.dim, cfg.n_layers, cfg.head_dim, cfg.n_kv_heads
+    norm_bytes = (2 if weights == "bf16" else 4) * L * 2 * C + 4 * C * (1 + batch_size)
+    return matrix_bytes + norm_bytes + 4 * batch_size * L * 2 * KV * D * (position + 1)
 
 
 def load_weights(preset: str, run: str | None, backend: str):
@@ -124,7 +122,8 @@ def worker_nanoeuler(preset, run, backend, batch_size, prompt, tokens, repeats, 
              "kept_where_reached": [k / o if o else None
                                     for k, o in zip(e.decoder.policy.kept.tolist(), e.decoder.policy.offered.tolist())],
              "speculative_steps": e.stats.speculative_steps / e.stats.steps if e.stats.steps else 0.0,
-             "weights": e.stats.weights, "prefill_s": prefill_s if i == 0 else None}
+             "weights": e.stats.weights, "matrix_bytes": e.decoder.forward.w.nbytes(),
+             "prefill_s": prefill_s if i == 0 else None}
             for i, e in enumerate(engines)]
 
 
@@ -351,7 +350,8 @@ def run(preset: str = "small", backend: str = "cpu", run_dir: str | None = None,
         echo(f"{name:<44}{r['tokens_per_s']:>10.0f}{r['median_s'] / tokens * 1e3:>10.3f}{r['memory_mb']:>11.0f}"
              f"{ratio:>10}{same:>13}")
     if plain:   # a plain step's positions run from the prompt's length to that plus tokens - 1
-        step_bytes = plain_step_bytes(cfg, plain["weights"], batch_size, prompt + (tokens - 1) / 2)
+        step_bytes = plain_step_bytes(cfg, plain["weights"], plain["matrix_bytes"], batch_size,
+                                      prompt + (tokens - 1) / 2)
         rate = step_bytes / (plain["median_s"] / tokens) / 1e9
         peak = next((v for k, v in PEAK_GB_PER_S.items() if k in machine), None)
         echo(f"bandwidth, plain: {step_bytes / 1e6:.1f} MB read a step, {rate:.0f} GB/s"

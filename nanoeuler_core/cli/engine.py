@@ -252,10 +252,11 @@ def bench(
                                                             "quantized run's own)"),
     profile: bool = typer.Option(False, help="also time each op in an eager step"),
     recompute: bool = typer.Option(False, help="nanoeuler with " + RECOMPUTE_HELP),
-    peers: bool = typer.Option(True, help="compare with PyTorch where it is installed"),
+    peers: bool = typer.Option(True, help="compare with PyTorch (and, decoding a --run, transformers) where installed"),
     startup: bool = typer.Option(False, help="also time a cold (empty kernel cache) and a warm start"),
     generate: bool = typer.Option(False, help="time decoding instead of training: plain, speculative and the default "
-                                              "policy, against PyTorch with a KV cache (and torch.compile on a GPU)"),
+                                              "policy, against PyTorch with a KV cache (and torch.compile on a GPU; for a --run, "
+                                              "transformers' generate)"),
     run: Optional[Path] = typer.Option(None, help="with --generate: the run directory whose weights to decode "
                                                   "with (default: random weights of --preset)"),
     prompt_tokens: int = typer.Option(16, help="with --generate: prompt length in tokens"),
@@ -265,7 +266,7 @@ def bench(
     new_tokens: int = typer.Option(256, help="with --generate: new tokens per row (capped to fit the context)"),
     prefill_tokens: int = typer.Option(512, help="with --generate: the prompt whose prefill is timed (capped to fit "
                                                  "the context)"),
-    temperature: float = typer.Option(0.0, help="with --generate: 0 = greedy (the PyTorch peers run only then)"),
+    temperature: float = typer.Option(0.0, help="with --generate: 0 = greedy (the peers run only then)"),
 ) -> None:
     """Training (or, with --generate, decoding) tokens/s and peak memory, against PyTorch on the same machine."""
     import tempfile

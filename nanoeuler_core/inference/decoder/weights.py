@@ -59,8 +59,8 @@ class DecodeWeights:
         return tuple(a[:rows] for a in self.heads)
 
     def nbytes(self) -> int:
-        """Bytes of the matrices a decoding step reads (the blocks' and every head's)."""
-        arguments = [L_m for L in self.layers for L_m in (getattr(L, m) for m in MATRICES)] + [self.heads]
+        """Bytes of the matrices the widest decoding step reads: the blocks' and the K heads'."""
+        arguments = [getattr(L, m) for L in self.layers for m in MATRICES] + [self.heads]
         return sum(a.size * a.itemsize for argument in arguments for a in argument)
 
     def refresh(self) -> None:
