@@ -44,13 +44,26 @@ class CpuBackend(HostBackend):
 
     @contextmanager
     def serial(self):
+        # Kernels called inside run on one thread: most of a decoding step's kernels are too small
+        # to pay for waking a second one. Its matrix products from THREADED_PRODUCTS multiply-adds
+        # (ops/cpu/row_products.py) are not, and take the block's threads back, `threads()`, for
+        # themselves: a second thread then needs a core of its own (a machine whose cores other
+        # work keeps busy may make it wait for one: NUMBA_NUM_THREADS=1 keeps decoding on one)
         yield from self._threads(1)
 
     @contextmanager
     def parallel(self):
-        import numba
+        yield from self._threads(self.threads())
 
-        yield from self._threads(self._outside_serial.get(threading.get_ident(), numba.get_num_threads()))
+    def threads(self) -> int:
+        """The Numba threads a kernel whose work pays for them may use: the count outside the calling
+        thread's serial block, else its current count."""
+        outside = self._outside_serial.get(threading.get_ident())
+        if outside is None:
+            import numba
+
+            return numba.get_num_threads()
+        return outside
 
     def _threads(self, n: int):
         # Numba's thread count for the calling thread (thread-local: other threads keep theirs), the

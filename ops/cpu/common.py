@@ -75,6 +75,27 @@ def exp32(x):
 
 
 # ------------------------------------------------------------------------------------------------
+# Numba's thread count, inside a kernel. A decoding step runs on one thread (the backend's
+# `serial` block); a kernel whose work pays for more takes the step's threads back for itself
+# (`threads_for`) and gives them up after. Numba's own set_num_threads, called from a kernel,
+# makes it uncacheable (it holds a ctypes function); these call the same functions of Numba's
+# threading layer by the names it gives them (its parallel loops read the count the same way),
+# resolved when a kernel is linked. The layer registers them once its threads start.
+numba.get_num_threads()   # starts Numba's threads
+_get_num_threads = types.ExternalFunction("get_num_threads", types.intc())
+_set_num_threads = types.ExternalFunction("set_num_threads", types.void(types.intc))
+
+
+@njit(inline="always")
+def threads_for(threads):
+    """Give the calling thread `threads` of Numba's threads for the parallel kernels it calls next;
+    returns the count it had, for `threads_for` to give back."""
+    had = _get_num_threads()
+    _set_num_threads(np.intc(threads))
+    return had
+
+
+# ------------------------------------------------------------------------------------------------
 # Matrix products on Numba's threads.
 #
 # NumPy's products run on OpenBLAS's own thread pool, beside Numba's: every product wakes one pool

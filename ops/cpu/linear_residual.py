@@ -4,6 +4,7 @@ math and ops/cpu/row_products.py for how rows stay independent of the batch."""
 import numpy as np
 from numba import njit
 
+from nanoeuler_ops.cpu import BACKEND
 from nanoeuler_ops.cpu.row_products import matmul_rows, quantized_matmul_rows
 from nanoeuler_ops.linear_residual import check_shapes
 
@@ -21,8 +22,8 @@ def forward(x, r, *w):
     check_shapes(x, r, *w)
     y = np.empty(r.shape, dtype=r.dtype)
     if len(w) == 1:
-        matmul_rows(x, w[0], y)
+        matmul_rows(x, w[0], y, BACKEND.threads())
     else:
-        quantized_matmul_rows(x, *w, y)
+        quantized_matmul_rows(x, *w, y, BACKEND.threads())
     _add(r, y)
     return y, ()

@@ -4,6 +4,7 @@ for the math and ops/cpu/row_products.py for how rows stay independent of the ba
 import numpy as np
 from numba import njit, prange
 
+from nanoeuler_ops.cpu import BACKEND
 from nanoeuler_ops.cpu.row_products import matmul_rows, quantized_matmul_rows, rmsnorm_rows
 from nanoeuler_ops.cpu.common import exp32
 from nanoeuler_ops.norm_swiglu import check_shapes
@@ -38,18 +39,18 @@ def _silu_products(gate_up, y):
 
 
 @njit(cache=True)
-def _forward(x, g, w, eps, h, gate_up, y):
+def _forward(x, g, w, eps, h, gate_up, y, threads):
     # x (N, C), g (C,), w (2F, C) -> h (N, C), gate_up (N, 2F) (scratch), y (N, F)
     rmsnorm_rows(x, g, eps, h)
-    matmul_rows(h, w, gate_up)
+    matmul_rows(h, w, gate_up, threads)
     _silu_products(gate_up, y)
 
 
 @njit(cache=True)
-def _forward_quantized(x, g, q, scale, zero, eps, h, gate_up, y):
+def _forward_quantized(x, g, q, scale, zero, eps, h, gate_up, y, threads):
     # _forward with w quantized (q, scale, zero)
     rmsnorm_rows(x, g, eps, h)
-    quantized_matmul_rows(h, q, scale, zero, gate_up)
+    quantized_matmul_rows(h, q, scale, zero, gate_up, threads)
     _silu_products(gate_up, y)
 
 
@@ -60,7 +61,7 @@ def forward(x, g, *w, eps):
     gate_up = np.empty((N, 2 * F), dtype=x.dtype)
     y = np.empty((N, F), dtype=x.dtype)
     if len(w) == 1:
-        _forward(x, g, w[0], np.float32(eps), h, gate_up, y)
+        _forward(x, g, w[0], np.float32(eps), h, gate_up, y, BACKEND.threads())
     else:
-        _forward_quantized(x, g, *w, np.float32(eps), h, gate_up, y)
+        _forward_quantized(x, g, *w, np.float32(eps), h, gate_up, y, BACKEND.threads())
     return y, ()
