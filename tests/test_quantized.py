@@ -157,3 +157,20 @@ def test_quantize_command(cycle_model, tmp_path, monkeypatch, capsys):
         out_dir = tmp_path / ("q4" if message == "exists" else "bad")
         code, out, err = run_cli(monkeypatch, capsys, "quantize", run, out_dir, *args)
         assert code != 0 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_decoding_on_cuda_gives_the_cpus_tokens(fmt):
+    """The decode step on the CUDA backend (captured; the function itself on the simulator) reads the
+    same quantized matrices as the CPU and picks the same tokens; heads of every width included."""
+    cfg = ModelConfig(vocab_size=11, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, ctx_len=6, n_mtp=2)
+    model = Model(cfg, backend="cuda", seed=2)
+    model.quantize(fmt)
+    cpu = Model(cfg, backend="cpu")
+    cpu.load_params(model.params)
+    cpu.quantized = model.quantized
+    stats = DecodeStats()
+    decoder = Decoder(model, 1, True, Sampling(0.0), weights=fmt)
+    tokens = decoder.generate([[1, 2]], 2, [0], stats=stats)
+    assert stats.weights == fmt and stats.steps == 1
+    assert tokens == Decoder(cpu, 1, True, Sampling(0.0), weights=fmt).generate([[1, 2]], 2, [0])

@@ -52,16 +52,20 @@ class DecodeWeights:
             self.layers = [SimpleNamespace(attn_norm=L.attn_norm, ffn_norm=L.ffn_norm,
                                            **{m: (getattr(L, m),) for m in MATRICES}) for L in self.forward.layers]
             self.heads = (model.stacked(flat, head_names),)
+        # heads_of(W) for W = 1..K, made here, outside any captured step (which must not allocate).
+        # int8's empty offsets are made, not sliced: a GPU array of no bytes has no rows to slice.
+        rows = [W * model.cfg.vocab_size for W in range(1, K + 1)]
+        self._heads_of = [tuple(a[:n] if a.shape[1] else model.backend.zeros((n, 0)) for a in self.heads)
+                          for n in rows]
 
     def heads_of(self, W: int) -> tuple:
         """The first W heads' weight argument: ((W*V, C),) or its quantized rows."""
-        rows = W * self.model.cfg.vocab_size
-        return tuple(a[:rows] for a in self.heads)
+        return self._heads_of[W - 1]
 
     def nbytes(self) -> int:
         """Bytes of the matrices the widest decoding step reads: the blocks' and the K heads'."""
         arguments = [getattr(L, m) for L in self.layers for m in MATRICES] + [self.heads]
-        return sum(a.size * a.itemsize for argument in arguments for a in argument)
+        return sum(a.size * np.dtype(a.dtype).itemsize for argument in arguments for a in argument)
 
     def refresh(self) -> None:
         """Copy the master weights into the bf16 copy made here, if any: the model may have learnt since."""
