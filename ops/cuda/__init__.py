@@ -65,7 +65,9 @@ class CudaBackend(Backend):
         host = np.asarray(host)
         if storage == "bf16" and host.dtype.kind == "f":
             return cuda.to_device(registry.bf16_bits(host))
-        dtype = {"f": self.dtype, "i": np.int64, "u": np.int64}.get(host.dtype.kind, host.dtype)
+        # integers (token ids, positions) as int64; bytes (quantized weights) as they are
+        dtype = host.dtype if host.dtype.itemsize == 1 else \
+            {"f": self.dtype, "i": np.int64, "u": np.int64}.get(host.dtype.kind, host.dtype)
         return cuda.to_device(np.ascontiguousarray(host, dtype=dtype))
 
     def to_host(self, arr):

@@ -2,17 +2,18 @@
 ops/linear_residual.py for the math and ops/cuda/row_products.py for the layout of the work: for
 float32 weights the warp of column o computes y[:, o]; for bf16 weights (the decoder's) a block per
 16 columns computes them on the tensor cores, its MMA_WARPS warps splitting the features (w_down's
-2,048 go faster over 16 warps than over 8). x and r may be float32 or bf16, read as float32 and
-accumulated in float32; y has r's storage."""
+2,048 go faster over 16 warps than over 8); for quantized weights (q, scale, zero) the warp of
+column o reads its row of q, the weights turned into float32 in registers (row_products.quantized_rows).
+x and r may be float32 or bf16, read as float32 and accumulated in float32; y has r's storage."""
 
 from numba import cuda, float32, uint32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, to_f32, wait_for_previous, warp_sum
 from nanoeuler_ops.cuda.row_products import (BLOCK, CHUNK, GROUP, ROWS, STEP, THREADS, TILE, WARP, WARPS,
-                                             chunk, column, dot, in_chunks, load_trip, load_words, mma_block, mma_lane,
-                                             no_chunk, no_sums, prefetch_row, row_chunk, row_group, share_sums,
-                                             tile_entry, tile_rows, trip_feature, warps_total)
+                                             chunk, column, dot, in_chunks, launch_quantized, load_trip, load_words,
+                                             mma_block, mma_lane, no_chunk, no_sums, prefetch_row, row_chunk,
+                                             row_group, share_sums, tile_entry, tile_rows, trip_feature, warps_total)
 from nanoeuler_ops.linear_residual import check_shapes
 
 TRIP = 8   # chunks of each operand a lane asks for at once (row_products)
@@ -94,8 +95,11 @@ def _forward_mma(x, w, res, y):
 
 def forward(x, r, *w):
     check_shapes(x, r, *w)
-    (w,) = w
     y = runtime.empty(r.shape, r.dtype)
+    if len(w) == 3:
+        launch_quantized(x, w, y, res=r)
+        return y, ()
+    (w,) = w
     if w.dtype == BF16:
         runtime.launch(_forward_mma, runtime.blocks_for(w.shape[0], TILE), MMA_WARPS * WARP, in_chunks(x), in_chunks(w),
                        r, y, overlap=True)

@@ -4,8 +4,10 @@ ops/norm_linear.py for the math and ops/cuda/row_products.py for the layout of t
 Float32 weights: the warp of column o computes y[:, o]: each lane walks its chunks of features once
 per group of rows, accumulating both the dot products with w[o] * g and the sums of squares; rstd
 is applied at the end. bf16 weights (the decoder's): row_products.norm_tiles, on the tensor cores,
-a block per 16 columns, the products of w with x * g, rstd applied at the end. x and g may be
-float32 or bf16, read as float32 and accumulated in float32; y has x's storage.
+a block per 16 columns, the products of w with x * g, rstd applied at the end. Quantized weights
+(q, scale, zero): row_products.quantized_rows, a warp per column as for float32, the weights turned
+into float32 in registers. x and g may be float32 or bf16, read as float32 and accumulated in
+float32; y has x's storage.
 """
 
 import math
@@ -15,7 +17,8 @@ from numba import cuda, float32
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.cuda.row_products import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
-                                             launch_norm_tiles, load_trip, no_chunk, prefetch_row, product, row_group)
+                                             launch_norm_tiles, launch_quantized, load_trip, no_chunk,
+                                             prefetch_row, product, row_group)
 from nanoeuler_ops.norm_linear import check_shapes
 
 TRIP = 4   # chunks of each operand a lane asks for at once (row_products)
@@ -70,8 +73,11 @@ def _forward(x, g, w, features, eps, group, y):
 
 def forward(x, g, *w, eps):
     check_shapes(x, g, *w)
+    y = runtime.empty((x.shape[0], w[0].shape[0]), x.dtype)
+    if len(w) == 3:
+        launch_quantized(x, w, y, g, eps, 1)
+        return y, ()
     (w,) = w
-    y = runtime.empty((x.shape[0], w.shape[0]), x.dtype)
     if w.dtype == BF16:
         launch_norm_tiles(x, g, w, eps, 1, y)
     else:

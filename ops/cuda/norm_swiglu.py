@@ -4,8 +4,10 @@ ops/cuda/row_products.py for the layout of the work.
 
 Float32 weights: the warp of column f computes y[:, f] from the gate row w[f] and the up row
 w[F + f], read side by side. bf16 weights (the decoder's): row_products.norm_tiles, on the tensor
-cores, a block per 16 columns, its gate rows and its up rows side by side. x and g may be float32
-or bf16, read as float32 and accumulated in float32; y has x's storage.
+cores, a block per 16 columns, its gate rows and its up rows side by side. Quantized weights
+(q, scale, zero): row_products.quantized_rows, the warp of column f reading the gate row and the up
+row side by side. x and g may be float32 or bf16, read as float32 and accumulated in float32; y
+has x's storage.
 """
 
 import math
@@ -15,8 +17,8 @@ from numba import cuda, float32
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, wait_for_previous, warp_sum
 from nanoeuler_ops.cuda.row_products import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
-                                             launch_norm_tiles, load_trip, no_chunk, prefetch_row, product, row_group,
-                                             swiglu)
+                                             launch_norm_tiles, launch_quantized, load_trip, no_chunk,
+                                             prefetch_row, product, row_group, swiglu)
 from nanoeuler_ops.norm_swiglu import check_shapes
 
 TRIP = 3   # chunks of each operand a lane asks for at once (row_products)
@@ -74,9 +76,12 @@ def _forward(x, g, w, features, eps, group, y):
 
 def forward(x, g, *w, eps):
     check_shapes(x, g, *w)
-    (w,) = w
-    F = w.shape[0] // 2
+    F = w[0].shape[0] // 2
     y = runtime.empty((x.shape[0], F), x.dtype)
+    if len(w) == 3:
+        launch_quantized(x, w, y, g, eps, 2)
+        return y, ()
+    (w,) = w
     if w.dtype == BF16:
         launch_norm_tiles(x, g, w, eps, 2, y)
     else:

@@ -9,17 +9,22 @@ Rows go in groups of R (`row_group`: 1 for a lone row, else ROWS), the weights r
 bf16 weights, tensor-core kernels (mma.sync m16n8k16): a block per TILE = 16 output columns (the
 A operand), GROUP = 8 rows of x at a time (B, each row as hi + lo bf16 parts), its warps splitting
 the features BLOCK = 32 at a time; the warps' sums meet in shared memory, added in warp order.
+Quantized weights (int8, int4), one FMA kernel for the three ops on the float32 layout
+(`quantized_rows`): a lane's 16-byte load is 16 int8 weights or 32 int4, made float32 in registers.
 Each kernel asks for its weights (prefetch, first trip) before it waits for the kernel ahead.
 docs/cuda.md ("Decoding's matrix products") tells why each choice.
 """
 
 import math
 
+import numpy as np
 from numba import cuda, float32, int32, uint32
 
+from nanoeuler_core import quantized
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.device import (DEVICE, WARP, bf16x2_values, let_next_start, load_16_bytes, load_8_floats,
-                                       mma_bf16, pack_bf16x2, prefetch_l2, quad_sum, stored, wait_for_previous)
+                                       mma_bf16, pack_bf16x2, prefetch_l2, quad_sum, stored, to_f32, wait_for_previous,
+                                       warp_sum)
 
 WARPS = 4       # columns per block
 THREADS = WARPS * WARP
@@ -342,3 +347,249 @@ def launch_norm_tiles(x, g, w, eps, tiles: int, y) -> None:
     """norm_tiles on x, g and w (bf16) into y, T = tiles matrices stacked in w."""
     runtime.launch(norm_tiles, runtime.blocks_for(y.shape[1], TILE), NORM_WARPS * WARP, in_chunks(x), in_chunks(g),
                    in_chunks(w), x.shape[1], float32(eps), (int32(0),) * tiles, y, overlap=True)
+
+
+
+# ---------------------------------------------------------------- quantized weights
+# (q, scale, zero) as nanoeuler_core/quantized.py lays them out, on the FMA kernels' layout: a warp per
+# output column, lane l reading chunks l, l + 32, l + 64, ... of QCHUNK = 16 bytes of the column's row
+# of q: 16 int8 weights, or 32 int4 (one packed block). A trip is the chunks a lane asks for at once
+# (as many as the row has for the lane, up to QTRIP: `trip_of`), with the scale (and offset) of each
+# chunk's group: a chunk lies in one group. The lane turns a
+# chunk into float32 weights eight at a time in registers (`quantized8`) and multiplies them with the
+# features in element order, each chunk's products summed apart (`add_chunk`): int8 scales that sum,
+# int4 has dequantized each weight (scale * nibble + offset) before its product.
+
+QCHUNK = 16     # bytes of a quantized row a lane loads at once
+QTRIP = 4       # chunks a lane asks for at once at most: an int8 row of 2,048 weights (w_down) in one trip
+MATRICES = 2    # matrices a warp of quantized_rows reads side by side at most (norm_swiglu's gate and up)
+
+
+def quantized_layout(q, scale, zero) -> tuple:
+    """The kernels' arguments for the quantized matrix (q, scale, zero): (per_byte, group_chunks),
+    per_byte a tuple of one zero for int8, two for int4 (the weights a byte holds; a constant when a
+    kernel compiles, as `row_group`'s R), group_chunks the chunks of a group. ValueError, one line,
+    for int8 groups that are not whole chunks."""
+    fmt, group, _ = quantized.weight_format(q, scale, zero)
+    per_byte = 2 if fmt == "int4" else 1
+    if group % (QCHUNK * per_byte):
+        raise ValueError(f"the CUDA kernels read int8 weights in groups of a multiple of {QCHUNK}, not {group}")
+    return (int32(0),) * per_byte, group // (QCHUNK * per_byte)
+
+
+def trip_of(q) -> tuple:
+    """The kernels' `trip` argument for q: a tuple of L zeros, L the chunks a lane asks for at once,
+    as many as a row of q has for each lane, up to QTRIP (a constant when a kernel compiles: a lane
+    holds no more chunks than it reads)."""
+    return (int32(0),) * min(QTRIP, -(-q.shape[1] // (QCHUNK * WARP)))
+
+
+def aligned(q):
+    """q itself if its data is 16-byte aligned (its rows are whole chunks), else an aligned copy."""
+    if DEVICE.is_aligned(q, QCHUNK):
+        return q
+    copy = runtime.empty(q.shape, q.dtype)
+    runtime.copy(copy, q)
+    return copy
+
+
+@cuda.jit(device=True)
+def float_of_bits(bits):
+    """The float32 whose bit pattern is the uint32 `bits` (through a local word: a register move)."""
+    word = cuda.local.array(1, uint32)
+    word[0] = bits
+    return word.view(np.float32)[0]
+
+
+@cuda.jit(device=True, inline=True)
+def load_chunks(words, scales, q, scale, zero, row, j0, group_chunks, trip, per_byte):
+    """words[i] <- chunk j0 + 32 i of row `row` of q as four uint32, for i < len(trip) and the chunks
+    the row has, and scales[i] <- what `quantized8` takes of its group: int8, (scale, 0); int4, (16
+    scale, offset - 16 scale)."""
+    chunks = q.shape[1] // QCHUNK
+    for i in range(len(trip)):
+        j = j0 + i * WARP
+        if j < chunks:
+            loaded = load_16_bytes(q, row * q.shape[1] + j * QCHUNK)
+            for k in range(4):
+                words[i, k] = loaded[k]
+            group = uint32(j) // uint32(group_chunks)
+            s = to_f32(scale[row, group])
+            if len(per_byte) == 2:
+                s *= float32(16.0)
+                scales[i, 0], scales[i, 1] = s, to_f32(zero[row, group]) - s
+            else:
+                scales[i, 0], scales[i, 1] = s, float32(0.0)
+
+
+@cuda.jit(device=True)
+def int8_values(word):
+    """The word's four bytes, the first lowest, as the float32 values of int8: a byte xor 0x80 (128 +
+    its value) goes into the low bits of the float 2^23 and comes out exact by one subtraction."""
+    bias, offset = uint32(0x4B000080), float32(8388736.0)   # the bits of 2^23 + 128, its value
+    return (float_of_bits((word & uint32(0xFF)) ^ bias) - offset,
+            float_of_bits(((word >> uint32(8)) & uint32(0xFF)) ^ bias) - offset,
+            float_of_bits(((word >> uint32(16)) & uint32(0xFF)) ^ bias) - offset,
+            float_of_bits((word >> uint32(24)) ^ bias) - offset)
+
+
+@cuda.jit(device=True)
+def nibble_fraction(word, bit):
+    """The nibble n at bit `bit` of the word as the float32 1 + n / 16: n shifted to the top of the
+    mantissa of 1.0 (bits 19..22)."""
+    field = word << uint32(19 - bit) if bit <= 19 else word >> uint32(bit - 19)
+    return float_of_bits((field & uint32(0x00780000)) | uint32(0x3F800000))
+
+
+@cuda.jit(device=True)
+def quantized8(words, scales, e, per_byte):
+    """Features 8e .. 8e + 7 of the trip's first chunk (load_chunks) as eight float32: int8 (e < 2),
+    the weights' integers, the bytes of words 2e and 2e + 1; int4 (e < 4), the weights scale * n +
+    offset of the nibbles n of words 2(e % 2) and 2(e % 2) + 1, low nibbles for e < 2, high after,
+    each weight one multiply-add of 1 + n / 16 (16 scale (1 + n / 16) + offset - 16 scale)."""
+    a, b = words[0, 2 * (e % 2)], words[0, 2 * (e % 2) + 1]
+    if len(per_byte) == 1:
+        return int8_values(a) + int8_values(b)
+    high = 4 * (e // 2)
+    s, z = scales[0, 0], scales[0, 1]
+    return (s * nibble_fraction(a, high) + z, s * nibble_fraction(a, 8 + high) + z,
+            s * nibble_fraction(a, 16 + high) + z, s * nibble_fraction(a, 24 + high) + z,
+            s * nibble_fraction(b, high) + z, s * nibble_fraction(b, 8 + high) + z,
+            s * nibble_fraction(b, 16 + high) + z, s * nibble_fraction(b, 24 + high) + z)
+
+
+@cuda.jit(device=True, inline=True)
+def add_chunk(total, part, scales, per_byte):
+    """total + the sum of products of the trip's first chunk: int8 times its scale; int4 as it is."""
+    return total + part if len(per_byte) == 2 else total + scales[0, 0] * part
+
+
+@cuda.jit(device=True, inline=True)
+def next_chunk(words, scales, trip):
+    """Turn the trip round by one chunk (chunk 1 first, ..., chunk 0 last), so that a loop over the trip
+    reads its first chunk each time: a loop the compiler leaves rolled then indexes nothing at run
+    time, and the trip stays in registers. len(trip) turns give the trip as loaded."""
+    L = len(trip)
+    for k in range(4):
+        first = words[0, k]
+        for i in range(L - 1):
+            words[i, k] = words[i + 1, k]
+        words[L - 1, k] = first
+    for k in range(2):
+        first = scales[0, k]
+        for i in range(L - 1):
+            scales[i, k] = scales[i + 1, k]
+        scales[L - 1, k] = first
+
+
+@cuda.jit(device=True, inline=True)
+def products8(parts, squares, x, g, words, scales, e, c, r0, group, norm, tiles, per_byte):
+    """parts[t, r] += features c .. c + 7 of row r0 + r of x times the trip's first chunk's eight
+    weights there (its e-th eight) of matrix t, for the R = len(group) rows and T = len(tiles)
+    matrices; with the norm (len(norm) == 1) the weights times g's gains, and squares[r] += the
+    squares of x's."""
+    N = x.shape[0]
+    R, T = len(group), len(tiles)
+    first = quantized8(words[0], scales[0], e, per_byte)
+    second = quantized8(words[1], scales[1], e, per_byte) if T == 2 else first
+    if len(norm) == 1:
+        gains = load_8_floats(g, 0, c)
+        first = product(first, gains)
+        second = product(second, gains) if T == 2 else first
+    for r in range(R):
+        if R == 1 or r0 + r < N:   # (R == 1: no test, the one row is there)
+            v = load_8_floats(x, r0 + r, c)
+            if len(norm) == 1:
+                squares[r] = dot(squares[r], v, v)
+            parts[0, r] = dot(parts[0, r], v, first)
+            if T == 2:
+                parts[1, r] = dot(parts[1, r], v, second)
+
+
+@cuda.jit(device=True, inline=True)
+def chunk_products(sums, squares, parts, x, g, words, scales, j, chunks, r0, group, norm, tiles, per_byte):
+    """sums[t, r] += the trip's first chunk (chunk j of the rows of w, if there is one) of matrix t
+    times row r0 + r of x (`products8`, its eights unrolled by hand: a loop the compiler left rolled
+    would shift by amounts known only at run time)."""
+    if j < chunks:
+        R, T, P = len(group), len(tiles), len(per_byte)
+        for r in range(R):
+            for t in range(T):
+                parts[t, r] = 0.0
+        c = 2 * P * CHUNK * j
+        products8(parts, squares, x, g, words, scales, 0, c, r0, group, norm, tiles, per_byte)
+        products8(parts, squares, x, g, words, scales, 1, c + CHUNK, r0, group, norm, tiles, per_byte)
+        if P == 2:
+            products8(parts, squares, x, g, words, scales, 2, c + 2 * CHUNK, r0, group, norm, tiles, per_byte)
+            products8(parts, squares, x, g, words, scales, 3, c + 3 * CHUNK, r0, group, norm, tiles, per_byte)
+        for r in range(R):
+            for t in range(T):
+                sums[t, r] = add_chunk(sums[t, r], parts[t, r], scales[t], per_byte)
+
+
+@cuda.jit(cache=True)
+def quantized_rows(x, g, res, q, scale, zero, features, eps, group_chunks, group, norm, tiles, trip, per_byte, y):
+    # x (N, C), g (1, C), res (N, O), (q, scale, zero) quantized (T O, K) -> y (N, O), C >= K = features
+    # (the rest zeros), T = len(tiles) matrices side by side. With the norm (len(norm) == 1): T = 1,
+    # y = rmsnorm(x; g) @ w.T (norm_linear); T = 2, y = swiglu of rmsnorm(x; g) @ w[:O].T and @ w[O:].T
+    # (norm_swiglu). Without (norm = ()): y = res + x @ w.T (linear_residual; g unread). The warp of
+    # column o computes y[:, o] from rows o (and O + o) of w, R = len(group) rows at a time, a trip of
+    # len(trip) chunks a lane.
+    N = x.shape[0]
+    O = y.shape[1]
+    T, R, L = len(tiles), len(group), len(trip)
+    chunks = q.shape[1] // QCHUNK
+    column_, lane = column()
+    o = min(column_, O - 1)   # a warp past the last column repeats it, never stored
+    words = cuda.local.array((MATRICES, QTRIP, 4), uint32)
+    scales = cuda.local.array((MATRICES, QTRIP, 2), float32)
+    sums = cuda.local.array((MATRICES, ROWS), float32)
+    parts = cuda.local.array((MATRICES, ROWS), float32)
+    squares = cuda.local.array(ROWS, float32)
+    let_next_start()
+    for t in range(T):
+        prefetch_row(q, t * O + o)
+    stride = L * WARP
+    for r0 in range(0, N, R):
+        for r in range(R):
+            squares[r] = 0.0
+            for t in range(T):
+                sums[t, r] = 0.0
+        for j0 in range(lane, chunks, stride):   # loads first
+            if load_trip(j0, lane, r0, chunks, stride):
+                for t in range(T):
+                    load_chunks(words[t], scales[t], q, scale, zero, t * O + o, j0, group_chunks, trip, per_byte)
+            if r0 == 0 and j0 == lane:   # the first trip's weights were asked for before
+                wait_for_previous()
+            for i in range(L):
+                chunk_products(sums, squares, parts, x, g, words, scales, j0 + i * WARP, chunks, r0, group, norm,
+                               tiles, per_byte)
+                for t in range(T):
+                    next_chunk(words[t], scales[t], trip)
+        for r in range(R):
+            if R == 1 or r0 + r < N:   # (R == 1: no test, the one row is there)
+                total = warp_sum(sums[0, r])
+                up = warp_sum(sums[1, r]) if T == 2 else total
+                sum_squares = warp_sum(squares[r]) if len(norm) == 1 else total
+                if lane == 0 and column_ == o:
+                    if len(norm) == 1:
+                        rstd = float32(1.0) / math.sqrt(sum_squares / float32(features) + eps)
+                        total *= rstd
+                        if T == 2:
+                            total = swiglu(total, up * rstd)
+                    else:
+                        total += to_f32(res[r0 + r, o])
+                    y[r0 + r, o] = stored(y, total)
+
+
+def launch_quantized(x, w, y, g=None, eps: float = 0.0, tiles: int = 1, res=None) -> None:
+    """quantized_rows on x and the quantized w = (q, scale, zero) into y: with the norm's gains g,
+    rmsnorm(x; g) through T = tiles matrices stacked in w; else res + x @ w.T."""
+    q, scale, zero = w
+    per_byte, group_chunks = quantized_layout(q, scale, zero)
+    rows = in_chunks(x)
+    norm = () if g is None else (int32(0),)
+    runtime.launch(quantized_rows, runtime.blocks_for(y.shape[1], WARPS), THREADS, rows,
+                   rows if g is None else in_chunks(g), y if res is None else res, aligned(q), scale, zero,
+                   x.shape[1], float32(eps), group_chunks, row_group(x.shape[0]), norm, (int32(0),) * tiles,
+                   trip_of(q), per_byte, y, overlap=True)
