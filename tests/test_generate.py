@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 import nanoeuler_core
 from nanoeuler_core import Model, ModelConfig, registry
 from nanoeuler_core.engine.gradcheck import run_backend, stored_values
-from nanoeuler_core.engine.optim import AdamW
-from nanoeuler_core.training.step import TrainStep
 from nanoeuler_core.inference.decoder import DecodeStats, Decoder, Sampling, decoder_for
 from nanoeuler_core.inference.decoder.speculation import SpeculationPolicy
 from nanoeuler_core.inference.generate import generate, generate_batch
 from nanoeuler_ops.sample import warped
+
+from cycle_model import cycle_trained
 
 CYCLE_CFG = ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=48, ctx_len=24, n_mtp=3)
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], list(range(16)) + [3] * 8]   # the last fills the context
@@ -28,20 +28,7 @@ PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], list(range(16)) + [3] * 8]  
 
 @pytest.fixture(scope="module")
 def cycle_model():
-    """CYCLE_CFG trained 25 steps on sequences where token x is followed by cycle[x] 85% of the time."""
-    model = Model(CYCLE_CFG, backend="cpu", seed=1)
-    rng = np.random.default_rng(0)
-    cycle = rng.permutation(CYCLE_CFG.vocab_size)
-    step = TrainStep(model, AdamW(model))
-    for _ in range(25):
-        seqs = np.empty((16, CYCLE_CFG.ctx_len + 1), dtype=np.int64)
-        for row in seqs:
-            x = rng.integers(CYCLE_CFG.vocab_size)
-            for t in range(row.size):
-                row[t] = x
-                x = cycle[x] if rng.random() > 0.15 else rng.integers(CYCLE_CFG.vocab_size)
-        step(seqs[:, :-1], seqs[:, 1:], 1e-2)
-    return model
+    return cycle_trained(CYCLE_CFG)
 
 
 def on_backend(model, backend):

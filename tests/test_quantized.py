@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from cli_helpers import run_cli
+from cycle_model import cycle_trained
 from nanoeuler_core import quantized
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.model import Model
@@ -67,20 +68,7 @@ def test_arrays_that_are_no_quantized_matrix_are_refused():
 
 @pytest.fixture(scope="module")
 def cycle_model():
-    """CFG trained 25 steps on sequences where token x is followed by cycle[x] 85% of the time."""
-    model = Model(CFG, backend="cpu", seed=1)
-    rng = np.random.default_rng(0)
-    cycle = rng.permutation(CFG.vocab_size)
-    step = TrainStep(model, AdamW(model))
-    for _ in range(25):
-        seqs = np.empty((16, CFG.ctx_len + 1), dtype=np.int64)
-        for row in seqs:
-            x = rng.integers(CFG.vocab_size)
-            for t in range(row.size):
-                row[t] = x
-                x = cycle[x] if rng.random() > 0.15 else rng.integers(CFG.vocab_size)
-        step(seqs[:, :-1], seqs[:, 1:], 1e-2)
-    return model
+    return cycle_trained(CFG)
 
 
 def quantized_twin(model, backend, fmt, group=0, zero_point=True):
