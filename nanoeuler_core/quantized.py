@@ -16,6 +16,12 @@ Q8_0, Q4_0 and Q4_1 tensors load without repacking (Q4_0 is the offset -8 * scal
 A quantized matrix is three arrays (q, scale, zero); int8 has no offset and its `zero` is an
 (O, 0) array. The shapes tell the format (`weight_format`), so a kernel that takes `*w` reads
 either one float matrix (w,) or a quantized one (q, scale, zero).
+
+A product with a quantized matrix reads its activations rounded to 8 bits too, as GGUF's Q8_0
+rounds them: each block of QBLOCK consecutive values of a row (the last block of a row may be
+shorter) becomes d * round(x / d), d = max |x| / 127 over the block (`round_activations`). Both
+factors are then small integers, so a kernel multiplies them as integers (8-bit SIMD on the CPU,
+dp4a on the GPU) and scales each block's sum once; float weights read float activations.
 """
 
 from __future__ import annotations
@@ -107,10 +113,27 @@ def dequantize(q, scale, zero) -> np.ndarray:
     return values.reshape(O, K)
 
 
-def matrix(*w) -> np.ndarray:
-    """The float matrix a weight argument stands for: (w,) itself, or (q, scale, zero) dequantized
-    (the float64 references' view of either)."""
-    return w[0] if len(w) == 1 else dequantize(*w)
+def round_activations(x: np.ndarray) -> np.ndarray:
+    """x (N, K) -> the float64 values a quantized product reads: each block of QBLOCK values along
+    K (the last one of a row may be shorter) as d * rint(x * (127 / max |x|)), d = max |x| / 127
+    (a block of zeros stays zero). The rounding is computed in float32, as the kernels compute it."""
+    x = np.asarray(x, dtype=np.float32)
+    N, K = x.shape
+    out = np.zeros((N, K))
+    for k in range(0, K, QBLOCK):
+        block = x[:, k:k + QBLOCK]
+        amax = np.abs(block).max(axis=1, keepdims=True)
+        inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+        out[:, k:k + QBLOCK] = np.rint(block * inverse) * (amax.astype(np.float64) / 127.0)
+    return out
+
+
+def product(x: np.ndarray, *w) -> np.ndarray:
+    """x (N, K) @ w.T in float64, as the decoding ops define it: a float matrix (w,) multiplies x
+    itself, a quantized one (q, scale, zero) multiplies x rounded to 8 bits (`round_activations`)."""
+    if len(w) == 1:
+        return x @ w[0].T
+    return round_activations(x) @ dequantize(*w).T
 
 
 def shape(*w) -> tuple[int, int]:
@@ -133,6 +156,10 @@ def concatenate(parts) -> tuple:
 def nbytes(q, scale, zero) -> int:
     return q.nbytes + scale.nbytes + zero.nbytes
 
+
+# the bound the ops' quantized samples are checked with: a value the float32 kernels round to 8 bits
+# the other way than the float64 reference moves an output by d * |w| (d = max |x| / 127 of its block)
+SAMPLE_TOL = (1e-3, 2e-2)
 
 # formats the ops' samples check: (format, group, zero point)
 SAMPLE_FORMATS = (("int8", 0, True), ("int8", 32, True), ("int4", 32, True), ("int4", 64, False))

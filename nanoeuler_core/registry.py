@@ -140,7 +140,9 @@ class Sample:
     integer inputs such as token ids are never differentiated. `precisions` limits the
     precisions the sample is checked in (a slow simulated kernel needs only a few cases).
     `float32_inputs` are float inputs stored as float32 in every precision (a quantized matrix's
-    scales and offsets, which no backend stores in bf16).
+    scales and offsets, which no backend stores in bf16). `tol`, where given, is the least bound
+    the sample is checked with in every precision (a product that rounds its activations to 8 bits
+    may round a value the other way than the float64 reference, by one step of its block).
     """
 
     inputs: tuple
@@ -149,6 +151,7 @@ class Sample:
     name: str = ""
     precisions: tuple[str, ...] = tuple(PRECISIONS)
     float32_inputs: tuple[int, ...] = ()
+    tol: Tol | None = None
 
 
 @dataclass
@@ -410,8 +413,11 @@ class Op:
         """The precisions (names) this op runs in on `backend`, fp32 first."""
         return ("fp32", *self.precisions.get(backend, ()))
 
-    def tol_for(self, name: str) -> Tol:
-        return self.tol if name == "fp32" else self.tols.get(name, PRECISIONS[name].tol)
+    def tol_for(self, name: str, sample: Sample | None = None) -> Tol:
+        tol = self.tol if name == "fp32" else self.tols.get(name, PRECISIONS[name].tol)
+        if sample is None or sample.tol is None:
+            return tol
+        return Tol(max(tol.rtol, sample.tol.rtol), max(tol.atol, sample.tol.atol))
 
 
 def define_op(namespace: dict, summary: str, **options) -> Op:

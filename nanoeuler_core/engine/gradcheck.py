@@ -187,7 +187,7 @@ def backend_pair_checks(op: Op, sample: Sample, backends: list[str], rng: np.ran
         into = {i: stored_values(rng.standard_normal(np.shape(inputs[i])), precision) for i in accumulating}
         added = {name: run_backend(op, name, inputs, sample.attrs, dout, precision, into, sample.float32_inputs)[1]
                  for name in backends}
-    tol = op.tol_for(precision)
+    tol = op.tol_for(precision, sample)
     checks = []
     for a, b in combinations(backends, 2):
         if precision != "fp32" and precision not in op.precisions_on(a) + op.precisions_on(b):
