@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Quantized decoding on one GPU, in one go (about 8 minutes on an H200): the products alone
-# (bench/quantized_gpu.py), then a `gpu` model trained GEN_STEPS
-# (300) steps on the bundled corpus, decoded at batch 1 with bf16, int8 and int4 weights (plain,
-# speculative and the default policy), and its int8 and int4 quantized runs sampled. PEERS=1 adds
-# PyTorch's peers to the bf16 decoding. Run from the project's root with .whl/ beside it (bench/gpu_env.sh):
+# Quantized decoding on one GPU, in one go: the products alone (bench/quantized_gpu.py: each format's
+# microseconds and speed against bf16), then a `gpu` model trained GEN_STEPS (300) steps on the
+# bundled corpus, decoded at batch 1 with bf16, int8 and int4 weights (plain, speculative and the
+# default policy), the decoding ops checked against the CPU and the float64 reference (gradcheck),
+# and the int8 and int4 quantized runs sampled. PEERS=1 adds PyTorch's peers to the bf16 decoding.
+# Run from the project's root with .whl/ beside it (bench/gpu_env.sh):
 #   bash bench/run_gpu_quantized.sh LOG_DIR
-# Logs: LOG_DIR/*.log, and LOG_DIR/summary.txt with the lines that carry the figures.
+# Logs: LOG_DIR/*.log, and LOG_DIR/summary.txt with the lines that carry the figures (plain decoding's
+# tokens/s in each format against bf16's last).
 set -uo pipefail
 [ $# -eq 1 ] || { echo "usage: bash bench/run_gpu_quantized.sh LOG_DIR" >&2; exit 1; }
 cd "$(dirname "$0")/.."
@@ -44,5 +46,12 @@ done
     done
     echo "--- gradcheck"; grep -vE "^  " "$log_dir/gradcheck.log" | tail -n 12
     for bits in 8 4; do echo "--- quantize --bits $bits"; tail -n 3 "$log_dir/quantize_$bits.log"; done
+    echo "--- plain decoding at batch 1, tokens/s"
+    plain() { awk '/^nanoeuler plain/ {print $3; exit}' "$log_dir/bench_$1.log"; }
+    bf16=$(plain bf16)
+    for w in bf16 int8 int4; do
+        awk -v w="$w" -v t="$(plain $w)" -v b="$bf16" \
+            'BEGIN { if (t > 0 && b > 0) printf "%s %s (%.2fx bf16)\n", w, t, t / b; else print w, "failed" }'
+    done
 } > "$log_dir/summary.txt"
 cat "$log_dir/summary.txt"

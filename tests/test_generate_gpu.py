@@ -1,21 +1,22 @@
-"""Decoding on a real GPU: the decoding ops against their CPU twins at the `gpu` preset's sizes,
-batch invariance of the CUDA kernels bit for bit, and whole generations (captured CUDA graphs
-against eager launches, speculative against plain, batches against rows alone). Skipped where
-there is no GPU (the simulator covers small shapes through tests/test_ops.py and test_generate.py)."""
+"""Decoding on a real GPU: the decoding ops against their CPU twins at the `gpu` preset's sizes (with
+int8 and int4 matrices, against the float64 reference), batch invariance of the CUDA kernels bit
+for bit, and whole generations (captured CUDA graphs against eager launches, speculative against
+plain, batches against rows alone; bf16, int8 and int4 weights). Skipped where there is no GPU (the
+simulator covers small shapes through tests/test_ops.py, test_generate.py and test_quantized_cuda.py)."""
 
 import numba
 import numpy as np
 import pytest
 from numba import cuda
 
-from nanoeuler_core import registry
+from nanoeuler_core import quantized, registry
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.gradcheck import run_backend
 from nanoeuler_core.inference.decoder import DecodeStats, Sampling
 from nanoeuler_core.inference.decoder.forward import DECODE_OPS
 from nanoeuler_core.inference.decoder.weights import WEIGHT_OPS
 from nanoeuler_ops.sample import warped
-from test_generate import (PROMPTS, cycle_model, decode, on_backend,  # noqa: F401  (a fixture)
+from test_generate import (MATRIX_OPS, PROMPTS, cycle_model, decode, on_backend,  # noqa: F401  (a fixture)
                            run_with_bf16_weights)
 
 pytestmark = [pytest.mark.gpu,
@@ -77,6 +78,43 @@ def test_cuda_rows_do_not_depend_on_the_batch(name, weights):
     else:
         alone = _run(name, tuple(x[4:5] if x.shape[0] == 9 else x for x in inputs), attrs, "cuda", weights)
         assert np.array_equal(together[4], alone[0])
+
+
+def _quantized_inputs(name, rng, rows, fmt):
+    """(inputs, attrs) at model size in float32 values, the op's matrix quantized as the decoder
+    quantizes it (quantized.DEFAULT_GROUP)."""
+    inputs, attrs = _inputs(name, rng, rows)
+    i = MATRIX_OPS[name]
+    inputs = tuple(x.astype(np.float32).astype(np.float64) for x in inputs)
+    return inputs[:i] + quantized.quantize(inputs[i], fmt, quantized.DEFAULT_GROUP[fmt]) + inputs[i + 1:], attrs
+
+
+@pytest.mark.parametrize("fmt", quantized.FORMATS)
+@pytest.mark.parametrize("name", list(MATRIX_OPS))
+def test_quantized_cuda_matches_the_reference_at_model_size(name, fmt):
+    """int8 and int4 matrices: the dp4a kernels give the float64 reference (x rounded to 8 bits by
+    blocks of 32; a value the float32 norm rounds the other way now and then moves an output by a
+    step), and a row alone is bit for bit row 4 of 9."""
+    inputs, attrs = _quantized_inputs(name, np.random.default_rng(3), 9, fmt)
+    together = run_backend(registry.op(name), "cuda", inputs, attrs, float32_inputs=(3, 4))[0][0]
+    error = _rel_err(together, registry.op(name).reference.forward(*inputs, **attrs)[0])
+    assert np.isfinite(error) and error < 1e-4, error
+    alone = run_backend(registry.op(name), "cuda", tuple(x[4:5] if x.shape[0] == 9 else x for x in inputs), attrs,
+                        float32_inputs=(3, 4))[0][0]
+    assert np.array_equal(together[4], alone[0])
+
+
+@pytest.mark.parametrize("fmt", quantized.FORMATS)
+def test_cuda_quantized_generation(fmt):
+    """A `gpu` model decoding with int8 or int4 matrices: the captured step equals eager launches,
+    speculative greedy equals plain greedy, a batch equals its rows alone."""
+    from nanoeuler_core import Model
+
+    model = Model(GPU, backend="cuda")
+    plain = decode(model, PROMPTS, 40, speculative=False, weights=fmt)
+    assert plain == decode(model, PROMPTS, 40, speculative=False, capture=False, weights=fmt)
+    assert plain == decode(model, PROMPTS, 40, speculative=True, weights=fmt)
+    assert plain == [decode(model, [p], 40, speculative=False, weights=fmt)[0] for p in PROMPTS]
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, 0, 1.0), (0.8, 0, 1.0), (1.0, 40, 0.9)])

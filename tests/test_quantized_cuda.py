@@ -1,29 +1,36 @@
 """The CUDA kernels of the decoding ops on quantized weights (ops/cuda/row_products.py, "quantized
-weights"): int8 and int4 against the CPU kernels, a row bit for bit the same alone as among 9 (the
-kernel of one row against the kernel of groups of 4), rows longer than a trip, a misaligned matrix,
-the groups the kernels refuse, and the kernel compiled for Hopper with its trip in registers. On the
-simulator here (tests/conftest.py); on a GPU the same tests run the GPU's kernels."""
+weights": x rounded to int8 by blocks of 32, dp4a): int8 (a scale per row, per group) and int4 (with
+and without an offset) against the float64 reference (quantized.product; tests/test_ops.py checks
+them against the CPU kernels too), rows whose last block is shorter, the rounding instructions, a
+row bit for bit the same alone as among 9 (the kernel of one row against the kernel of groups of 4),
+rows longer than a trip, a misaligned matrix, the groups the kernels refuse, and the kernel compiled
+for Hopper with its trip in registers. On the simulator here (tests/conftest.py); on a GPU the same
+tests run the GPU's kernels."""
 
 import numpy as np
 import pytest
 
 from nanoeuler_core import quantized, registry
-from nanoeuler_core.engine.gradcheck import run_backend
+from nanoeuler_core.engine.gradcheck import run_backend, stored_values
 from test_tensor_cores import compiled_without_simulator
 
 OPS = ("norm_linear", "norm_swiglu", "linear_residual")
-FORMATS = (("int8", 0, True), ("int4", 32, True), ("int4", 64, False))   # (format, group, zero point)
-REL_TOL = {"fp32": 1e-5, "bf16": 1e-2}   # x (and g, r) stored as bf16: y rounded to bf16 too
+FORMATS = quantized.SAMPLE_FORMATS   # (format, group, zero point)
+# against the reference: float32 sums, and a value the float32 norm rounds to 8 bits the other way now
+# and then (one step of its block); x (and g, r) stored as bf16: y rounded to bf16 too
+REL_TOL = {"fp32": 1e-4, "bf16": 1e-2}
 
 
 def op_inputs(name, rng, N, C, O, fmt, group, zero_point=True):
     """(inputs, attrs) of a decoding op on N rows of C features, O outputs, its matrix quantized."""
-    normal = rng.standard_normal
+    def normal(shape):   # float32 values: the reference reads what the kernels read
+        return rng.standard_normal(shape).astype(np.float32).astype(np.float64)
+
     rows = 2 * O if name == "norm_swiglu" else O
     w = quantized.quantize(normal((rows, C)) / C ** 0.5, fmt, group, zero_point)
     if name == "linear_residual":
         return (normal((N, C)), normal((N, O)), *w), {}
-    return (normal((N, C)), 1 + 0.1 * normal(C), *w), {"eps": 1e-5}
+    return (normal((N, C)), 1 + np.float32(0.1) * normal(C), *w), {"eps": 1e-5}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,28 +54,69 @@ def rows(name, inputs, taken):
     return tuple(a[taken] if i in of_rows else a for i, a in enumerate(inputs))
 
 
+def reference(name, inputs, attrs, precision="fp32"):
+    """The op's float64 reference on the values the kernels read in `precision` (x and g, or x and r,
+    stored in it; the matrix as it is)."""
+    stored = tuple(stored_values(a, precision) if i < 2 else a for i, a in enumerate(inputs))
+    return registry.op(name).reference.forward(*stored, **attrs)[0]
+
+
+def rel_err(got, expected) -> float:
+    return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
+
+
+def check_against_reference(name, inputs, attrs, precision):
+    """CUDA's output, within REL_TOL of the reference (which rounds x as the kernels do: without the
+    rounding a product is off by about 1e-2). tests/test_ops.py checks it against the CPU's."""
+    cuda = run(name, inputs, attrs, "cuda", precision)
+    assert rel_err(cuda, reference(name, inputs, attrs, precision)) <= REL_TOL[precision], precision
+    return cuda
+
+
 @pytest.mark.parametrize("fmt, group, zero_point", FORMATS)
 @pytest.mark.parametrize("name", OPS)
-def test_quantized_kernels_give_the_cpus_results_and_rows_alone(name, fmt, group, zero_point):
+def test_quantized_kernels_give_the_reference_and_rows_alone(name, fmt, group, zero_point):
     """9 rows (groups of 4, the last of one) of 320 features (an int4 row: 10 chunks, some lanes
-    without one): CUDA gives the CPU's results within float32's sums, and row 4 alone (the kernel of
-    one row) is bit for bit row 4 of the 9; in bf16 storage of the rows too."""
+    without one): CUDA gives the reference's results within float32's sums, and row 4 alone (the
+    kernel of one row) is bit for bit row 4 of the 9; in bf16 storage of the rows too."""
     inputs, attrs = op_inputs(name, np.random.default_rng(0), 9, 320, 6, fmt, group, zero_point)
     for precision in ("fp32", "bf16"):
-        cpu, together = run(name, inputs, attrs, "cpu", precision), run(name, inputs, attrs, "cuda", precision)
-        assert np.linalg.norm(together - cpu) <= REL_TOL[precision] * np.linalg.norm(cpu), precision
+        together = check_against_reference(name, inputs, attrs, precision)
         alone = run(name, rows(name, inputs, slice(4, 5)), attrs, "cuda", precision)
         assert np.array_equal(alone[0], together[4]), precision
+
+
+@pytest.mark.parametrize("group", [0, 16])
+@pytest.mark.parametrize("name", OPS)
+def test_a_rows_last_block_may_be_shorter(name, group):
+    """int8 rows of 80 features round x in blocks of 32, 32 and 16; a group of 16 weights is half a
+    block of x."""
+    inputs, attrs = op_inputs(name, np.random.default_rng(4), 3, 80, 5, "int8", group)
+    check_against_reference(name, inputs, attrs, "fp32")
+
+
+def test_rounding_is_the_references():
+    """x rounded by the kernels' instructions (rint_scaled: the float32 product rounded once, then to
+    an integer half to even; dp4a: signed bytes) gives quantized.round_activations' integers, ties
+    included."""
+    from nanoeuler_ops.cuda.device import dp4a, rint_scaled
+
+    block = np.array([0.5, -0.5, 1.5, 2.5, -2.5, 126.5, -127.0, 3.0], np.float32)
+    inverse = np.float32(127) / np.abs(block).max()
+    expected = np.rint(block * inverse)
+    assert [int(rint_scaled(v, inverse)) for v in block] == list(expected)
+    assert np.array_equal(quantized.round_activations(block[None])[0], expected * (np.float64(127.0) / 127))
+    word = np.array([-127, 3, 0, 127], np.int8).view(np.uint32)[0]
+    assert int(dp4a(word, np.array([2, -5, 9, 1], np.int8).view(np.uint32)[0], np.int32(7))) == 7 - 254 - 15 + 127
 
 
 @pytest.mark.parametrize("name", ["norm_swiglu", "linear_residual"])
 def test_rows_longer_than_a_trip(name):
     """An int8 row of 2,112 weights is 132 chunks, past a trip of 4 x 32: each group of rows reads
-    the second trip again (the first stays in registers), in groups of 32 weights; the CPU's
+    the second trip again (the first stays in registers), in groups of 32 weights; the reference's
     results, and a row alone as among 5."""
     inputs, attrs = op_inputs(name, np.random.default_rng(1), 5, 2112, 2, "int8", 32)
-    cpu, together = run(name, inputs, attrs, "cpu"), run(name, inputs, attrs, "cuda")
-    assert np.linalg.norm(together - cpu) <= REL_TOL["fp32"] * np.linalg.norm(cpu)
+    together = check_against_reference(name, inputs, attrs, "fp32")
     assert np.array_equal(run(name, rows(name, inputs, slice(4, 5)), attrs, "cuda")[0], together[4])
 
 
@@ -120,12 +168,14 @@ for name, x, q, per_byte, R, norm, T, L in (("norm_swiglu int4", types.uint16, t
     ptx, _ = compile_ptx(row_products.quantized_rows.py_func, args, cc=(9, 0))
     assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx, name
     assert "ld.global.nc.v4" in ptx and "ld.local" not in ptx and "st.local" not in ptx, name
+    assert "dp4a.s32.s32" in ptx and "mul.rn.f32" in ptx and "bar.sync" in ptx, name
     print("compiled", name)
 """
 
 
 def test_quantized_kernels_compile_for_hopper_with_their_trip_in_registers():
     """quantized_rows compiled to sm_90a PTX through NVVM (no GPU needed): it waits for the kernel
-    ahead and lets the next start, loads by 16 bytes, and keeps its trip of chunks in registers
-    (no local memory: a trip indexed at run time would live there, each use waiting on a load)."""
+    ahead and lets the next start, loads by 16 bytes, rounds x (mul.rn) into shared memory and
+    multiplies by dp4a, and keeps its trip of chunks in registers (no local memory: a trip indexed
+    at run time would live there, each use waiting on a load)."""
     assert compiled_without_simulator(HOPPER_COMPILE).count("compiled") == 2

@@ -6,6 +6,7 @@ captures and copies through), and the device library kernels import their buildi
   tensor cores    mma_bf16; shared_base, cp_async_16, cp_async_wait_all, ldmatrix_x4(_trans);
                   smem_descriptor, wgmma_ss, wgmma_rs_t, wgmma_fence, wgmma_commit, wgmma_wait, proxy_fence
   overlap, loads  wait_for_previous, let_next_start, prefetch_l2, load_16_bytes, load_8_floats
+  8-bit integers  dp4a, rint_scaled
 
 Which device is chosen here, once: a GPU (ops/cuda/gpu.py, and the instructions of ops/cuda/ptx.py,
 whose comments give each one's semantics and layout) or, with NUMBA_ENABLE_CUDASIM=1, Numba's CUDA

@@ -2,8 +2,9 @@
 ops/linear_residual.py for the math and ops/cuda/row_products.py for the layout of the work: for
 float32 weights the warp of column o computes y[:, o]; for bf16 weights (the decoder's) a block per
 16 columns computes them on the tensor cores, its MMA_WARPS warps splitting the features (w_down's
-2,048 go faster over 16 warps than over 8); for quantized weights (q, scale, zero) the warp of
-column o reads its row of q, the weights turned into float32 in registers (row_products.quantized_rows).
+2,048 go faster over 16 warps than over 8); for quantized weights (q, scale, zero) x is rounded to
+int8 by blocks of 32 in each block's shared memory and the warp of column o multiplies its row of q
+with it by dp4a (row_products.quantized_rows).
 x and r may be float32 or bf16, read as float32 and accumulated in float32; y has r's storage."""
 
 from numba import cuda, float32, uint32

@@ -5,9 +5,9 @@ Float32 weights: the warp of column o computes y[:, o]: each lane walks its chun
 per group of rows, accumulating both the dot products with w[o] * g and the sums of squares; rstd
 is applied at the end. bf16 weights (the decoder's): row_products.norm_tiles, on the tensor cores,
 a block per 16 columns, the products of w with x * g, rstd applied at the end. Quantized weights
-(q, scale, zero): row_products.quantized_rows, a warp per column as for float32, the weights turned
-into float32 in registers. x and g may be float32 or bf16, read as float32 and accumulated in
-float32; y has x's storage.
+(q, scale, zero): row_products.quantized_rows, rmsnorm(x; g) rounded to int8 by blocks of 32 in
+each block's shared memory, a warp per column as for float32, multiplying integers by dp4a. x and
+g may be float32 or bf16, read as float32 and accumulated in float32; y has x's storage.
 """
 
 import math

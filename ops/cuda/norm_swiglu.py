@@ -5,8 +5,9 @@ ops/cuda/row_products.py for the layout of the work.
 Float32 weights: the warp of column f computes y[:, f] from the gate row w[f] and the up row
 w[F + f], read side by side. bf16 weights (the decoder's): row_products.norm_tiles, on the tensor
 cores, a block per 16 columns, its gate rows and its up rows side by side. Quantized weights
-(q, scale, zero): row_products.quantized_rows, the warp of column f reading the gate row and the up
-row side by side. x and g may be float32 or bf16, read as float32 and accumulated in float32; y
+(q, scale, zero): row_products.quantized_rows, rmsnorm(x; g) rounded to int8 by blocks of 32 in
+each block's shared memory, the warp of column f multiplying the gate row and the up row with it
+side by side by dp4a. x and g may be float32 or bf16, read as float32 and accumulated in float32; y
 has x's storage.
 """
 

@@ -16,7 +16,8 @@ from nanoeuler_ops.cuda.gpu import DEVICE
 
 __all__ = ["WARP", "to_f32", "stored", "pack_bf16x2", "bf16x2_values", "pair_values", "stored_pair",
            "wait_for_previous", "let_next_start", "prefetch_l2", "load_16_bytes", "load_8_floats",
-           "warp_sum", "warp_max", "warp_ballot", "quad_sum", "quad_max", "lanes_reduce", "block_reduce", "mma_bf16",
+           "dp4a", "rint_scaled", "warp_sum", "warp_max", "warp_ballot", "quad_sum", "quad_max", "lanes_reduce",
+           "block_reduce", "mma_bf16",
            "shared_base", "cp_async_16", "cp_async_wait_all", "ldmatrix_x4", "ldmatrix_x4_trans",
            "wgmma_ss", "wgmma_rs_t", "wgmma_fence", "wgmma_commit", "wgmma_wait", "proxy_fence"]
 
@@ -216,6 +217,42 @@ def _load_8_floats(a, row, c):
         return (float_from_bits(w0), float_from_bits(w1), float_from_bits(w2), float_from_bits(w3),
                 float_from_bits(w4), float_from_bits(w5), float_from_bits(w6), float_from_bits(w7))
     return f32_chunk
+
+
+# ---------------------------------------------------------------- 8-bit integer products
+# A quantized product (ops/cuda/row_products.py) rounds its activations to int8 and multiplies them
+# with int8 (or int4) weights as integers: four byte products and their sum in one instruction.
+
+@intrinsic
+def dp4a(typingctx, a, b, c):
+    """c + the sum of the products of the four bytes of a with those of b, each byte a signed int8
+    (int32 arithmetic: dp4a.s32.s32)."""
+    sig = types.int32(types.uint32, types.uint32, types.int32)
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        asm = ir.InlineAsm(ir.FunctionType(i32, [i32] * 3), "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
+        return builder.call(asm, args)
+    return sig, codegen
+
+
+_ROUNDER = 0x4B400000   # the bits of 1.5 * 2^23: a float32 n + 1.5 * 2^23 holds the integer n in its low bits
+
+
+@intrinsic
+def rint_scaled(typingctx, v, s):
+    """The integer nearest the float32 product v * s (|v * s| < 2^22), half to even, as int32: the
+    product rounded to float32 once (mul.rn, which the compiler never fuses into an add), then to
+    an integer by adding 1.5 * 2^23 in float32, which leaves it in the sum's low bits."""
+    sig = types.int32(types.float32, types.float32)
+
+    def codegen(context, builder, sig, args):
+        i32, f32 = ir.IntType(32), ir.FloatType()
+        asm = ir.InlineAsm(ir.FunctionType(i32, [f32, f32]),
+                           "{ .reg .f32 t; mul.rn.f32 t, $1, $2; add.rn.f32 t, t, 0f4B400000; mov.b32 $0, t; }",
+                           "=r,f,f")
+        return builder.sub(builder.call(asm, args), ir.Constant(i32, _ROUNDER))
+    return sig, codegen
 
 
 # ---------------------------------------------------------------- reductions

@@ -9,22 +9,22 @@ Rows go in groups of R (`row_group`: 1 for a lone row, else ROWS), the weights r
 bf16 weights, tensor-core kernels (mma.sync m16n8k16): a block per TILE = 16 output columns (the
 A operand), GROUP = 8 rows of x at a time (B, each row as hi + lo bf16 parts), its warps splitting
 the features BLOCK = 32 at a time; the warps' sums meet in shared memory, added in warp order.
-Quantized weights (int8, int4), one FMA kernel for the three ops on the float32 layout
-(`quantized_rows`): a lane's 16-byte load is 16 int8 weights or 32 int4, made float32 in registers.
+Quantized weights (int8, int4), one kernel for the three ops on the float32 layout (`quantized_rows`):
+each block rounds x to int8 by blocks of 32 into shared memory (after the norm), and a lane's 16-byte
+load of 16 int8 weights or 32 int4 multiplies x's bytes by dp4a, four products an instruction.
 Each kernel asks for its weights (prefetch, first trip) before it waits for the kernel ahead.
 docs/cuda.md ("Decoding's matrix products") tells why each choice.
 """
 
 import math
 
-import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from nanoeuler_core import quantized
 from nanoeuler_ops.cuda import runtime
-from nanoeuler_ops.cuda.device import (DEVICE, WARP, bf16x2_values, let_next_start, load_16_bytes, load_8_floats,
-                                       mma_bf16, pack_bf16x2, prefetch_l2, quad_sum, stored, to_f32, wait_for_previous,
-                                       warp_sum)
+from nanoeuler_ops.cuda.device import (DEVICE, WARP, bf16x2_values, dp4a, let_next_start, load_16_bytes,
+                                       load_8_floats, mma_bf16, pack_bf16x2, prefetch_l2, quad_max, quad_sum,
+                                       rint_scaled, stored, to_f32, wait_for_previous, warp_sum)
 
 WARPS = 4       # columns per block
 THREADS = WARPS * WARP
@@ -351,18 +351,30 @@ def launch_norm_tiles(x, g, w, eps, tiles: int, y) -> None:
 
 
 # ---------------------------------------------------------------- quantized weights
-# (q, scale, zero) as nanoeuler_core/quantized.py lays them out, on the FMA kernels' layout: a warp per
-# output column, lane l reading chunks l, l + 32, l + 64, ... of QCHUNK = 16 bytes of the column's row
-# of q: 16 int8 weights, or 32 int4 (one packed block). A trip is the chunks a lane asks for at once
-# (as many as the row has for the lane, up to QTRIP: `trip_of`), with the scale (and offset) of each
-# chunk's group: a chunk lies in one group. The lane turns a
-# chunk into float32 weights eight at a time in registers (`quantized8`) and multiplies them with the
-# features in element order, each chunk's products summed apart (`add_chunk`): int8 scales that sum,
-# int4 has dequantized each weight (scale * nibble + offset) before its product.
+# (q, scale, zero) as nanoeuler_core/quantized.py lays them out, times x rounded to 8 bits by blocks of
+# QBLOCK = 32 features (quantized.round_activations), both factors multiplied as integers by dp4a.
+#
+# Rounding (`round_rows`), once a group of rows in every block, after the wait: thread t takes chunks
+# t, t + THREADS, ... of 8 features of a row (zeros past its end, up to whole blocks), so the four
+# lanes of a quad hold one block and find its max |x| by two shuffles; each value becomes
+# rint(x * (127 / max)) (`rint_scaled`: the float32 product rounded once, as the reference rounds
+# it), four to a word, in shared memory beside the block's d = max / 127. With the norm the block first
+# adds each row's squares (its warps' sums meet in shared memory) and rounds x * rstd * g.
+#
+# Products: a warp per output column, lane l reading chunks l, l + 32, ... of QCHUNK = 16 bytes of
+# the column's row of q: 16 int8 weights (half a block of x), or 32 int4 (one packed block: byte j
+# holds weights j and j + 16). A trip is the chunks a lane asks for at once (as many as the row has
+# for the lane, up to QTRIP: `trip_of`), each with its group's scale (and offset): a chunk lies in
+# one group. int8: four dp4a of the chunk's words with x's; int4: the low nibbles of word k
+# (w & 0x0F0F0F0F) with x's word k, its high nibbles with word k + 4, eight dp4a. The chunk's integer
+# sum becomes float32 once, times the block's d and the group's scale; int4 adds offset * d * (the
+# block's sum of x's integers, which the rounding leaves beside d).
 
 QCHUNK = 16     # bytes of a quantized row a lane loads at once
 QTRIP = 4       # chunks a lane asks for at once at most: an int8 row of 2,048 weights (w_down) in one trip
 MATRICES = 2    # matrices a warp of quantized_rows reads side by side at most (norm_swiglu's gate and up)
+QBLOCK = quantized.QBLOCK   # features of x rounded together
+QWORDS = QBLOCK // 4        # words of a rounded block of x: its 32 int8
 
 
 def quantized_layout(q, scale, zero) -> tuple:
@@ -384,6 +396,12 @@ def trip_of(q) -> tuple:
     return (int32(0),) * min(QTRIP, -(-q.shape[1] // (QCHUNK * WARP)))
 
 
+def rounded_bytes(R: int, K: int) -> int:
+    """The shared memory quantized_rows takes for R rows of K features rounded: a block of 32 is
+    QWORDS words of int8, its d and its d * (sum of its integers), float32."""
+    return 4 * R * -(-K // QBLOCK) * (QWORDS + 2)
+
+
 def aligned(q):
     """q itself if its data is 16-byte aligned (its rows are whole chunks), else an aligned copy."""
     if DEVICE.is_aligned(q, QCHUNK):
@@ -393,19 +411,10 @@ def aligned(q):
     return copy
 
 
-@cuda.jit(device=True)
-def float_of_bits(bits):
-    """The float32 whose bit pattern is the uint32 `bits` (through a local word: a register move)."""
-    word = cuda.local.array(1, uint32)
-    word[0] = bits
-    return word.view(np.float32)[0]
-
-
 @cuda.jit(device=True, inline=True)
 def load_chunks(words, scales, q, scale, zero, row, j0, group_chunks, trip, per_byte):
     """words[i] <- chunk j0 + 32 i of row `row` of q as four uint32, for i < len(trip) and the chunks
-    the row has, and scales[i] <- what `quantized8` takes of its group: int8, (scale, 0); int4, (16
-    scale, offset - 16 scale)."""
+    the row has, and scales[i] <- its group's (scale, offset) (int8: offset 0)."""
     chunks = q.shape[1] // QCHUNK
     for i in range(len(trip)):
         j = j0 + i * WARP
@@ -414,54 +423,8 @@ def load_chunks(words, scales, q, scale, zero, row, j0, group_chunks, trip, per_
             for k in range(4):
                 words[i, k] = loaded[k]
             group = uint32(j) // uint32(group_chunks)
-            s = to_f32(scale[row, group])
-            if len(per_byte) == 2:
-                s *= float32(16.0)
-                scales[i, 0], scales[i, 1] = s, to_f32(zero[row, group]) - s
-            else:
-                scales[i, 0], scales[i, 1] = s, float32(0.0)
-
-
-@cuda.jit(device=True)
-def int8_values(word):
-    """The word's four bytes, the first lowest, as the float32 values of int8: a byte xor 0x80 (128 +
-    its value) goes into the low bits of the float 2^23 and comes out exact by one subtraction."""
-    bias, offset = uint32(0x4B000080), float32(8388736.0)   # the bits of 2^23 + 128, its value
-    return (float_of_bits((word & uint32(0xFF)) ^ bias) - offset,
-            float_of_bits(((word >> uint32(8)) & uint32(0xFF)) ^ bias) - offset,
-            float_of_bits(((word >> uint32(16)) & uint32(0xFF)) ^ bias) - offset,
-            float_of_bits((word >> uint32(24)) ^ bias) - offset)
-
-
-@cuda.jit(device=True)
-def nibble_fraction(word, bit):
-    """The nibble n at bit `bit` of the word as the float32 1 + n / 16: n shifted to the top of the
-    mantissa of 1.0 (bits 19..22)."""
-    field = word << uint32(19 - bit) if bit <= 19 else word >> uint32(bit - 19)
-    return float_of_bits((field & uint32(0x00780000)) | uint32(0x3F800000))
-
-
-@cuda.jit(device=True)
-def quantized8(words, scales, e, per_byte):
-    """Features 8e .. 8e + 7 of the trip's first chunk (load_chunks) as eight float32: int8 (e < 2),
-    the weights' integers, the bytes of words 2e and 2e + 1; int4 (e < 4), the weights scale * n +
-    offset of the nibbles n of words 2(e % 2) and 2(e % 2) + 1, low nibbles for e < 2, high after,
-    each weight one multiply-add of 1 + n / 16 (16 scale (1 + n / 16) + offset - 16 scale)."""
-    a, b = words[0, 2 * (e % 2)], words[0, 2 * (e % 2) + 1]
-    if len(per_byte) == 1:
-        return int8_values(a) + int8_values(b)
-    high = 4 * (e // 2)
-    s, z = scales[0, 0], scales[0, 1]
-    return (s * nibble_fraction(a, high) + z, s * nibble_fraction(a, 8 + high) + z,
-            s * nibble_fraction(a, 16 + high) + z, s * nibble_fraction(a, 24 + high) + z,
-            s * nibble_fraction(b, high) + z, s * nibble_fraction(b, 8 + high) + z,
-            s * nibble_fraction(b, 16 + high) + z, s * nibble_fraction(b, 24 + high) + z)
-
-
-@cuda.jit(device=True, inline=True)
-def add_chunk(total, part, scales, per_byte):
-    """total + the sum of products of the trip's first chunk: int8 times its scale; int4 as it is."""
-    return total + part if len(per_byte) == 2 else total + scales[0, 0] * part
+            scales[i, 0] = to_f32(scale[row, group])
+            scales[i, 1] = to_f32(zero[row, group]) if len(per_byte) == 2 else float32(0.0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -483,48 +446,100 @@ def next_chunk(words, scales, trip):
 
 
 @cuda.jit(device=True, inline=True)
-def products8(parts, squares, x, g, words, scales, e, c, r0, group, norm, tiles, per_byte):
-    """parts[t, r] += features c .. c + 7 of row r0 + r of x times the trip's first chunk's eight
-    weights there (its e-th eight) of matrix t, for the R = len(group) rows and T = len(tiles)
-    matrices; with the norm (len(norm) == 1) the weights times g's gains, and squares[r] += the
-    squares of x's."""
-    N = x.shape[0]
-    R, T = len(group), len(tiles)
-    first = quantized8(words[0], scales[0], e, per_byte)
-    second = quantized8(words[1], scales[1], e, per_byte) if T == 2 else first
-    if len(norm) == 1:
-        gains = load_8_floats(g, 0, c)
-        first = product(first, gains)
-        second = product(second, gains) if T == 2 else first
-    for r in range(R):
-        if R == 1 or r0 + r < N:   # (R == 1: no test, the one row is there)
-            v = load_8_floats(x, r0 + r, c)
-            if len(norm) == 1:
-                squares[r] = dot(squares[r], v, v)
-            parts[0, r] = dot(parts[0, r], v, first)
-            if T == 2:
-                parts[1, r] = dot(parts[1, r], v, second)
+def int8x4(a, b, c, d):
+    """Four integers of -127..127 as the bytes of one word, a the lowest."""
+    byte = uint32(0xFF)
+    return uint32((uint32(a) & byte) | ((uint32(b) & byte) << uint32(8)) | ((uint32(c) & byte) << uint32(16))
+                  | (uint32(d) << uint32(24)))
 
 
 @cuda.jit(device=True, inline=True)
-def chunk_products(sums, squares, parts, x, g, words, scales, j, chunks, r0, group, norm, tiles, per_byte):
-    """sums[t, r] += the trip's first chunk (chunk j of the rows of w, if there is one) of matrix t
-    times row r0 + r of x (`products8`, its eights unrolled by hand: a loop the compiler left rolled
-    would shift by amounts known only at run time)."""
+def round_chunk(v, inverse):
+    """Eight float32 values, each rint(v * inverse), as two words of int8, and their sum."""
+    q0, q1, q2, q3 = (rint_scaled(v[0], inverse), rint_scaled(v[1], inverse), rint_scaled(v[2], inverse),
+                      rint_scaled(v[3], inverse))
+    q4, q5, q6, q7 = (rint_scaled(v[4], inverse), rint_scaled(v[5], inverse), rint_scaled(v[6], inverse),
+                      rint_scaled(v[7], inverse))
+    return int8x4(q0, q1, q2, q3), int8x4(q4, q5, q6, q7), int32(q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7)
+
+
+@cuda.jit(device=True, inline=True)
+def round_rows(xs, ds, squares, x, g, r0, features, eps, group, norm, per_byte):
+    """Rows r0 .. r0 + R - 1 of x (R = len(group), zeros past x's last), with the norm rmsnorm(x; g),
+    rounded to int8 by blocks of 32 (quantized.round_activations) into the block's shared memory:
+    row r's block b as the words xs[(r B + b) QWORDS:][:QWORDS] (B = the row's blocks), its d at
+    ds[r B + b] and, for int4 (len(per_byte) == 2), d * its sum of integers at ds[(R + r) B + b].
+    Every thread of the block calls it; squares (WARPS, ROWS) holds the warps' sums of squares."""
+    R = len(group)
+    tid = cuda.threadIdx.x
+    B = (features + QBLOCK - 1) // QBLOCK
+    chunks = B * (QBLOCK // CHUNK)   # chunks of 8 features in a row's whole blocks
+    if len(norm) == 1:
+        for r in range(R):
+            sum_squares = float32(0.0)
+            for c in range(tid, chunks, THREADS):
+                v = row_chunk(x, r0 + r, c * CHUNK)
+                sum_squares = dot(sum_squares, v, v)
+            sum_squares = warp_sum(sum_squares)
+            if tid % WARP == 0:
+                squares[tid // WARP, r] = sum_squares
+        cuda.syncthreads()
+    for r in range(R):
+        rstd = row_rstd(squares, r, features, eps, WARPS) if len(norm) == 1 else float32(1.0)
+        for c0 in range(0, chunks, THREADS):   # every lane of a warp goes round as often: they shuffle
+            c = c0 + tid
+            v = row_chunk(x, r0 + r, c * CHUNK)
+            if len(norm) == 1:
+                v = product(product(v, (rstd, rstd, rstd, rstd, rstd, rstd, rstd, rstd)), chunk(g, 0, c * CHUNK))
+            largest = quad_max(max(abs(v[0]), abs(v[1]), abs(v[2]), abs(v[3]), abs(v[4]), abs(v[5]), abs(v[6]),
+                                   abs(v[7])))
+            inverse = float32(127.0) / largest if largest > float32(0.0) else float32(0.0)
+            low, high, total = round_chunk(v, inverse)
+            if len(per_byte) == 2:
+                total = quad_sum(total)
+            if c < chunks:
+                xs[(r * B * QBLOCK + c * CHUNK) // 4] = low
+                xs[(r * B * QBLOCK + c * CHUNK) // 4 + 1] = high
+                if c % 4 == 0:
+                    d = largest / float32(127.0)
+                    ds[r * B + c // 4] = d
+                    if len(per_byte) == 2:
+                        ds[(R + r) * B + c // 4] = d * float32(total)
+
+
+@cuda.jit(device=True, inline=True)
+def chunk_sum(words, xs, i, per_byte):
+    """The integer dot product of the trip's first chunk (words[0]) with x's rounded words from xs[i]:
+    int8, its four words with four of x's; int4, the low nibbles of word k with x's word k and its
+    high nibbles with word k + 4 (nibbles are below 128: bytes dp4a reads as they are)."""
+    if len(per_byte) == 1:
+        return dp4a(words[0, 3], xs[i + 3], dp4a(words[0, 2], xs[i + 2], dp4a(words[0, 1], xs[i + 1],
+                                                                              dp4a(words[0, 0], xs[i], int32(0)))))
+    nibbles = uint32(0x0F0F0F0F)
+    low = high = int32(0)
+    for k in range(4):
+        low = dp4a(words[0, k] & nibbles, xs[i + k], low)
+        high = dp4a((words[0, k] >> uint32(4)) & nibbles, xs[i + 4 + k], high)
+    return int32(low + high)
+
+
+@cuda.jit(device=True, inline=True)
+def chunk_products(sums, xs, ds, words, scales, j, chunks, r0, N, B, group, tiles, per_byte):
+    """sums[t, r] += the trip's first chunk (chunk j of the rows of w, if there is one) of matrix t times
+    row r0 + r of x rounded (round_rows): its integer sum (`chunk_sum`) as float32, times the block's
+    d, times the group's scale; for int4 plus the group's offset times the block's d * sum."""
     if j < chunks:
         R, T, P = len(group), len(tiles), len(per_byte)
+        b = j * P // 2   # the block of x the chunk lies in
         for r in range(R):
-            for t in range(T):
-                parts[t, r] = 0.0
-        c = 2 * P * CHUNK * j
-        products8(parts, squares, x, g, words, scales, 0, c, r0, group, norm, tiles, per_byte)
-        products8(parts, squares, x, g, words, scales, 1, c + CHUNK, r0, group, norm, tiles, per_byte)
-        if P == 2:
-            products8(parts, squares, x, g, words, scales, 2, c + 2 * CHUNK, r0, group, norm, tiles, per_byte)
-            products8(parts, squares, x, g, words, scales, 3, c + 3 * CHUNK, r0, group, norm, tiles, per_byte)
-        for r in range(R):
-            for t in range(T):
-                sums[t, r] = add_chunk(sums[t, r], parts[t, r], scales[t], per_byte)
+            if R == 1 or r0 + r < N:   # (R == 1: no test, the one row is there)
+                i = (r * B * QBLOCK + j * P * QCHUNK) // 4
+                d = ds[r * B + b]
+                for t in range(T):
+                    part = scales[t, 0, 0] * (float32(chunk_sum(words[t], xs, i, per_byte)) * d)
+                    if P == 2:
+                        part += scales[t, 0, 1] * ds[(R + r) * B + b]
+                    sums[t, r] += part
 
 
 @cuda.jit(cache=True)
@@ -532,54 +547,54 @@ def quantized_rows(x, g, res, q, scale, zero, features, eps, group_chunks, group
     # x (N, C), g (1, C), res (N, O), (q, scale, zero) quantized (T O, K) -> y (N, O), C >= K = features
     # (the rest zeros), T = len(tiles) matrices side by side. With the norm (len(norm) == 1): T = 1,
     # y = rmsnorm(x; g) @ w.T (norm_linear); T = 2, y = swiglu of rmsnorm(x; g) @ w[:O].T and @ w[O:].T
-    # (norm_swiglu). Without (norm = ()): y = res + x @ w.T (linear_residual; g unread). The warp of
-    # column o computes y[:, o] from rows o (and O + o) of w, R = len(group) rows at a time, a trip of
-    # len(trip) chunks a lane.
+    # (norm_swiglu). Without (norm = ()): y = res + x @ w.T (linear_residual; g unread). x is read
+    # rounded to int8 by blocks of 32 (round_rows; dynamic shared memory: rounded_bytes(R, K)). The warp
+    # of column o computes y[:, o] from rows o (and O + o) of w, R = len(group) rows at a time, a trip
+    # of len(trip) chunks a lane.
     N = x.shape[0]
     O = y.shape[1]
     T, R, L = len(tiles), len(group), len(trip)
     chunks = q.shape[1] // QCHUNK
+    B = (features + QBLOCK - 1) // QBLOCK
     column_, lane = column()
     o = min(column_, O - 1)   # a warp past the last column repeats it, never stored
     words = cuda.local.array((MATRICES, QTRIP, 4), uint32)
     scales = cuda.local.array((MATRICES, QTRIP, 2), float32)
     sums = cuda.local.array((MATRICES, ROWS), float32)
-    parts = cuda.local.array((MATRICES, ROWS), float32)
-    squares = cuda.local.array(ROWS, float32)
+    squares = cuda.shared.array((WARPS, ROWS), float32)
+    xs = cuda.shared.array(0, uint32)
+    ds = cuda.shared.array(0, float32)[R * B * QWORDS:]   # after xs, in the same memory
     let_next_start()
     for t in range(T):
         prefetch_row(q, t * O + o)
+        load_chunks(words[t], scales[t], q, scale, zero, t * O + o, lane, group_chunks, trip, per_byte)
+    wait_for_previous()   # the first trip's weights were asked for before
     stride = L * WARP
     for r0 in range(0, N, R):
+        round_rows(xs, ds, squares, x, g, r0, features, eps, group, norm, per_byte)
+        cuda.syncthreads()
         for r in range(R):
-            squares[r] = 0.0
             for t in range(T):
                 sums[t, r] = 0.0
-        for j0 in range(lane, chunks, stride):   # loads first
-            if load_trip(j0, lane, r0, chunks, stride):
+        for j0 in range(lane, chunks, stride):
+            if j0 != lane or (r0 > 0 and lane + stride < chunks):   # a later trip replaced the first
                 for t in range(T):
                     load_chunks(words[t], scales[t], q, scale, zero, t * O + o, j0, group_chunks, trip, per_byte)
-            if r0 == 0 and j0 == lane:   # the first trip's weights were asked for before
-                wait_for_previous()
             for i in range(L):
-                chunk_products(sums, squares, parts, x, g, words, scales, j0 + i * WARP, chunks, r0, group, norm,
-                               tiles, per_byte)
+                chunk_products(sums, xs, ds, words, scales, j0 + i * WARP, chunks, r0, N, B, group, tiles, per_byte)
                 for t in range(T):
                     next_chunk(words[t], scales[t], trip)
         for r in range(R):
             if R == 1 or r0 + r < N:   # (R == 1: no test, the one row is there)
                 total = warp_sum(sums[0, r])
                 up = warp_sum(sums[1, r]) if T == 2 else total
-                sum_squares = warp_sum(squares[r]) if len(norm) == 1 else total
                 if lane == 0 and column_ == o:
-                    if len(norm) == 1:
-                        rstd = float32(1.0) / math.sqrt(sum_squares / float32(features) + eps)
-                        total *= rstd
-                        if T == 2:
-                            total = swiglu(total, up * rstd)
-                    else:
+                    if len(norm) == 0:
                         total += to_f32(res[r0 + r, o])
+                    elif T == 2:
+                        total = swiglu(total, up)
                     y[r0 + r, o] = stored(y, total)
+        cuda.syncthreads()   # before the next group's rounding
 
 
 def launch_quantized(x, w, y, g=None, eps: float = 0.0, tiles: int = 1, res=None) -> None:
@@ -587,9 +602,9 @@ def launch_quantized(x, w, y, g=None, eps: float = 0.0, tiles: int = 1, res=None
     rmsnorm(x; g) through T = tiles matrices stacked in w; else res + x @ w.T."""
     q, scale, zero = w
     per_byte, group_chunks = quantized_layout(q, scale, zero)
-    rows = in_chunks(x)
+    rows, group = in_chunks(x), row_group(x.shape[0])
     norm = () if g is None else (int32(0),)
     runtime.launch(quantized_rows, runtime.blocks_for(y.shape[1], WARPS), THREADS, rows,
                    rows if g is None else in_chunks(g), y if res is None else res, aligned(q), scale, zero,
-                   x.shape[1], float32(eps), group_chunks, row_group(x.shape[0]), norm, (int32(0),) * tiles,
-                   trip_of(q), per_byte, y, overlap=True)
+                   x.shape[1], float32(eps), group_chunks, group, norm, (int32(0),) * tiles, trip_of(q), per_byte, y,
+                   shared_bytes=rounded_bytes(len(group), x.shape[1]), overlap=True)

@@ -31,7 +31,8 @@ from nanoeuler_core.registry import bf16_values
 
 __all__ = ["DEVICE", "WARP", "to_f32", "stored", "pack_bf16x2", "bf16x2_values", "pair_values", "stored_pair",
            "wait_for_previous", "let_next_start", "prefetch_l2", "load_16_bytes", "load_8_floats",
-           "warp_sum", "warp_max", "warp_ballot", "quad_sum", "quad_max", "lanes_reduce", "block_reduce", "mma_bf16",
+           "dp4a", "rint_scaled", "warp_sum", "warp_max", "warp_ballot", "quad_sum", "quad_max", "lanes_reduce",
+           "block_reduce", "mma_bf16",
            "shared_base", "cp_async_16", "cp_async_wait_all", "ldmatrix_x4", "ldmatrix_x4_trans",
            "wgmma_ss", "wgmma_rs_t", "wgmma_fence", "wgmma_commit", "wgmma_wait", "proxy_fence"]
 
@@ -180,6 +181,19 @@ def load_8_floats(a, row, c):
     """a[row, c:c+8] of a float32 or bf16 matrix as eight float32."""
     values = _host(a)[row, c:c + 8]
     return tuple((values.astype(np.uint32) << np.uint32(16)).view(np.float32) if values.dtype == np.uint16 else values)
+
+
+# ---------------------------------------------------------------- 8-bit integer products
+
+def dp4a(a, b, c):
+    """c + the sum of the products of the four bytes of a with those of b, each a signed int8."""
+    bytes_a, bytes_b = (np.array([word], np.uint32).view(np.int8).astype(np.int64) for word in (a, b))
+    return np.int32(int(c) + int(bytes_a @ bytes_b))
+
+
+def rint_scaled(v, s):
+    """The integer nearest the float32 product v * s (rounded to float32 once), half to even, as int32."""
+    return np.int32(np.rint(np.float32(v) * np.float32(s)))
 
 
 # ---------------------------------------------------------------- warp reductions
