@@ -13,6 +13,7 @@ given, --max-batch) and stops it at the end. Each request: a prompt of --prompt-
 from the bundled corpus (a different place per request), "stream": true, --max-tokens new tokens
 exactly ("ignore_eos": true, so every request is the same work), temperature 0.8 with a seed of
 its own. A client starts no new request after D seconds; the window ends when its last one does.
+One untimed request goes first, so that no window pays for what a server compiles on its first.
 
 Per client count: requests done and failed (any status but 200, an error event, a broken
 stream: a failed request is a failed test), new tokens per second over the window (tokens from
@@ -125,7 +126,7 @@ async def load(url: str, clients: int, duration: float, max_tokens: int, words: 
 
     async def client(c: int) -> None:
         connection, i = Client(url), 0
-        while time.perf_counter() < deadline:
+        while i == 0 or time.perf_counter() < deadline:   # one request at least
             n = c * 100_000 + i
             body = {"prompt": texts[n % len(texts)], "max_tokens": max_tokens, "temperature": 0.8, "seed": n,
                     "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
@@ -220,6 +221,7 @@ def main() -> None:
             health = httpx.get(url + "/health").json()
             print(f"# {url}: model {health['model']!r}, {health['rows']} rows{', ' + label if label else ''}; "
                   f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+            asyncio.run(load(url, 1, 0.0, 2, args.prompt_words, args.system_words))   # one untimed request first
             for clients in counts:
                 result = asyncio.run(load(url, clients, args.duration, args.max_tokens, args.prompt_words,
                                           args.system_words))
