@@ -28,9 +28,6 @@ def serve(
     template: Optional[str] = typer.Option(None, help=CHAT_TEMPLATE_HELP),
     speculative: Optional[bool] = typer.Option(None, "--speculative/--no-speculative", help=SPECULATIVE_HELP),
     decode_weights: Optional[str] = typer.Option(None, help=DECODE_WEIGHTS_HELP),
-    prefix_cache_tokens: Optional[int] = typer.Option(None, help="tokens of keys and values kept for later prompts "
-                                                                 "that begin the same way (default: as many as the "
-                                                                 "rows' cache, max-batch x the context; 0: none)"),
 ) -> None:
     """Serve the model in RUN_DIR: an OpenAI-compatible API (POST /v1/completions and
     /v1/chat/completions, streamed or not; GET /v1/models, /health) and a chat page at /. Concurrent
@@ -41,8 +38,6 @@ def serve(
 
     if max_batch is not None and max_batch < 1 or max_queue < 0:
         raise ValueError(f"--max-batch must be at least 1 and --max-queue at least 0, got {max_batch} and {max_queue}")
-    if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
-        raise ValueError(f"--prefix-cache-tokens must be 0 (no prefix cache) or more, got {prefix_cache_tokens}")
     model, tok = load_model(run_dir, backend)
     chat_template = ChatTemplate.for_run(run_dir, template)
     if max_batch is None:  # many rows per step pay where a step over many tokens costs about one over a few
@@ -50,7 +45,7 @@ def serve(
     name = Path(run_dir).resolve().name
     created = int((Path(run_dir) / "config.json").stat().st_mtime)
     app = create_app(ServedModel(model, tok, name, chat_template, created), max_batch, max_queue, speculative,
-                     decode_weights, prefix_cache_tokens)
+                     decode_weights)
     sock = listen(host, port)
     address = sock.getsockname()
     url = f"http://{host if ':' not in host else f'[{host}]'}:{address[1]}"

@@ -66,12 +66,10 @@ def _json(content, status: int = 200) -> Response:
 
 
 def create_app(served: ServedModel, max_batch: int = 8, max_queue: int = 64, speculative: bool = False,
-               weights: str | None = None, prefix_cache_tokens: int | None = None) -> Starlette:
+               weights: str | None = None) -> Starlette:
     """The ASGI app serving `served` through a Scheduler of `max_batch` rows, at most `max_queue`
-    requests waiting, a prefix cache of `prefix_cache_tokens` (None: the decoder's default; the
-    scheduler starts and stops with the app's lifespan)."""
-    api = _Api(served, Scheduler(served.model, served.tok, max_batch, max_queue, speculative, weights,
-                                 prefix_cache_tokens))
+    requests waiting (the scheduler starts and stops with the app's lifespan)."""
+    api = _Api(served, Scheduler(served.model, served.tok, max_batch, max_queue, speculative, weights))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
