@@ -8,12 +8,15 @@ Run it under mpiexec, one rank per GPU (or CPU share):
     mpiexec -n 2 python bench/bench_dist.py --variant zero        # ZeRO-1: moments sharded over the ranks
 
 Options: --preset gpu --backend cuda --batch-size 32 --grad-accum 1 --steps 20 --warmup 3
-[--precision fp32|tf32|bf16] [--no-overlap: sum the gradients after the backward, not during it].
+[--precision fp32|tf32|bf16] [--no-overlap: sum the gradients after the backward, not during it]
+[--grad-reduce fp32|bf16: what the sums travel in].
 The batches come from (seed, step, row), as in training, from a random token stream, so runs of
 different shapes see the same rows (the PyTorch DDP peer, bench/torch_ddp.py, draws the same).
 Rank 0 prints one JSON line: median ms per step, tokens/s in all and per rank, device memory in
-use per rank (GPU) or peak RSS (CPU), and the loss and gradient norm of every step (to compare
-variants: they must agree).
+use per rank (GPU) or peak RSS (CPU), the exposed communication (the median over the steps of the
+time from the end of the backward to the end of the last sum: CUDA events inside the captured
+step on a GPU, the wall clock on the CPU, where MPI sums block; rank 0's, and the largest rank's),
+and the loss and gradient norm of every step (to compare variants: they must agree).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--precision", default=None, help="fp32, tf32 or bf16 (default: the backend's)")
     parser.add_argument("--no-overlap", dest="overlap", action="store_false",
                         help="sum the gradients after the backward instead of during it")
+    parser.add_argument("--grad-reduce", default="fp32", choices=("fp32", "bf16"), help="what the sums travel in")
     args = parser.parse_args()
 
     job = distributed.world()
@@ -63,10 +67,11 @@ def main() -> None:
     cfg = ModelConfig.preset(args.preset)
     model = Model(cfg, backend=args.backend, seed=0, precision=args.precision)
     comm = None if args.variant == "plain" else job.collectives(args.backend)
-    step = TrainStep(model, AdamW(model, comm=comm, zero=args.variant == "zero", overlap=args.overlap))
+    step = TrainStep(model, AdamW(model, comm=comm, zero=args.variant == "zero", overlap=args.overlap,
+                                  grad_reduce=args.grad_reduce))
     step_batches = batches(cfg, args.batch_size, args.grad_accum, job.rank)
 
-    times, history, memory = [], [], 0.0
+    times, exposed, history, memory = [], [], [], 0.0
     for i in range(args.warmup + args.steps):
         micro = step_batches(i + 1)
         job.barrier()  # every rank starts the step together: the time is the step's, not a rank's lag
@@ -74,9 +79,12 @@ def main() -> None:
         loss, norm = step.micro_batches(micro, 1e-4)  # returns once the step is done (host copies)
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
+            if comm is not None:
+                exposed.append(comm.exposed_ms())
         history.append((round(loss, 6), round(norm, 6)))
         memory = max(memory, memory_mb(model.backend))
     memory_by_rank = job.allgather(memory)
+    exposed_by_rank = job.allgather(statistics.median(exposed) if exposed else None)
     seconds = statistics.median(times)
     tokens_per_step = job.size * args.grad_accum * args.batch_size * cfg.ctx_len
     if job.rank == 0:
@@ -84,7 +92,10 @@ def main() -> None:
             "engine": "nanoeuler", "variant": args.variant, "overlap": args.overlap and comm is not None,
             "ranks": job.size, "preset": args.preset, "backend": args.backend, "device": model.backend.device_name(),
             "batch_size": args.batch_size, "grad_accum": args.grad_accum, "precision": model.precision.name,
-            "ms_per_step": round(seconds * 1e3, 2), "tokens_per_s": round(tokens_per_step / seconds),
+            "grad_reduce": args.grad_reduce if comm is not None else None,
+            "ms_per_step": round(seconds * 1e3, 2),
+            "exposed_comm_ms": None if comm is None else round(exposed_by_rank[0], 3),
+            "exposed_comm_ms_max_rank": None if comm is None else round(max(exposed_by_rank), 3), "tokens_per_s": round(tokens_per_step / seconds),
             "tokens_per_s_per_rank": round(tokens_per_step / seconds / job.size),
             "memory_gb_by_rank": [round(m * 2**20 / 1e9, 3) for m in memory_by_rank],
             "loss_and_norm": history}), flush=True)
