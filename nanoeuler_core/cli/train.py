@@ -157,8 +157,10 @@ def log_run(run, log) -> None:
     ranks = distributed.world().size
     shape = f"batch {tc.batch_size} x {cfg.ctx_len}"
     if tc.grad_accum > 1 or ranks > 1:
+        notes = ", ".join(n for n in (run.optimizer.sharded, "sums in bf16" if run.optimizer.wire is not None else "") if n)
+        notes = f" ({notes})" if notes else ""
         shape += (f" per micro-batch, {tc.grad_accum} micro-batch{'es' if tc.grad_accum > 1 else ''} on each of "
-                  f"{ranks} rank{'s' if ranks > 1 else ''}{f' ({run.optimizer.sharded})' if run.optimizer.sharded else ''}: "
+                  f"{ranks} rank{'s' if ranks > 1 else ''}{notes}: "
                   f"{training.rows_per_step(tc)} sequences per step")
     log(f"run {run.dir}: {cfg.n_params():,} parameters ({tc.preset}), backend {tc.backend} ({tc.precision}), {shape}, "
         f"steps {run.optimizer.step_count} -> " + (f"{tc.steps}" if tc.time_budget is None else
