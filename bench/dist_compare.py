@@ -6,10 +6,12 @@
 `runs`: for each run, the largest relative difference of its per-step loss from RUN_A's, the
 relative difference of its final weights (|a - b| / |a| over the whole model), and its median
 tokens/s in all and per rank (steps after the 5th, evaluation steps left out).
-`steps`: per (engine, variant, overlap, ranks, batch, grad-accum): median ms/step over the repeats,
-tokens/s in all and per GPU, the scaling efficiency (per-GPU tokens/s over the same engine's on one
-GPU), the ratio to PyTorch DDP's per-GPU tokens/s on as many GPUs (bench/torch_ddp.py), memory by
-rank, and whether every 1-rank repeat's losses equal the plain variant's.
+`steps`: per (engine, variant, overlap, ranks, batch, grad-accum, sums in): median ms/step over
+the repeats, the exposed communication (ms from the end of the backward to the end of the last sum,
+rank 0's), tokens/s in all and per GPU, the scaling efficiency (per-GPU tokens/s over the same
+engine's on one GPU), the ratio to PyTorch DDP's per-GPU tokens/s on as many GPUs with the same
+grad-accum and sums (bench/torch_ddp.py), memory by rank, and whether every 1-rank repeat's losses
+equal the plain variant's.
 """
 
 from __future__ import annotations
@@ -53,26 +55,31 @@ def summarise_steps(path: Path) -> None:
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         key = (r.get("engine", "nanoeuler"), r["variant"], r.get("overlap", False), r["ranks"], r["batch_size"],
-               r["grad_accum"], r["precision"])
+               r["grad_accum"], r["precision"], r.get("grad_reduce") or "-")
         groups.setdefault(key, []).append(r)
     per_rank = {k: statistics.median(r["tokens_per_s_per_rank"] for r in g) for k, g in groups.items()}
     one_gpu = {k[0]: v for k, v in per_rank.items() if k[3] == 1 and k[1] in ("plain", "ddp")}
-    ddp = {k[3]: v for k, v in per_rank.items() if k[0].startswith("torch-ddp")}
+    ddp = {(k[3], k[5], k[7]): v for k, v in per_rank.items() if k[0].startswith("torch-ddp")}
     plain = {(k[4], k[5], k[6]): g[0].get("loss_and_norm") for k, g in groups.items() if k[1] == "plain"}
     devices = sorted({r.get("device", "?") for r in results})
     print(f"devices: {', '.join(devices)}")
-    print(f"{'engine':<18} {'variant':<10} {'overlap':>7} {'GPUs':>4} {'batch':>5} {'ms/step':>8} {'tokens/s':>10} "
+    print(f"{'engine':<18} {'variant':<10} {'overlap':>7} {'GPUs':>4} {'batch':>5} {'accum':>5} {'sums':>4} "
+          f"{'ms/step':>8} {'exposed':>7} {'tokens/s':>10} "
           f"{'per GPU':>9} {'scaling':>8} {'vs DDP':>7} {'memory GB by rank':<28} losses = plain's")
     for key, g in groups.items():
-        engine, variant, overlap, ranks, batch, accum, precision = key
+        engine, variant, overlap, ranks, batch, accum, precision, sums = key
         ms = statistics.median(r["ms_per_step"] for r in g)
+        exposed = [r["exposed_comm_ms"] for r in g if r.get("exposed_comm_ms") is not None]
+        exposed = f"{statistics.median(exposed):>7.2f}" if exposed else f"{'-':>7}"
         tps = statistics.median(r["tokens_per_s"] for r in g)
         scaling = per_rank[key] / one_gpu[engine] if engine in one_gpu else float("nan")
-        vs_ddp = per_rank[key] / ddp[ranks] if ranks in ddp and not engine.startswith("torch") else float("nan")
+        peer = ddp.get((ranks, accum, sums if ranks > 1 else "-"))
+        vs_ddp = per_rank[key] / peer if peer and not engine.startswith("torch") else float("nan")
         same = plain.get((batch, accum, precision))
         equal = "-" if same is None or ranks > 1 or "loss_and_norm" not in g[0] else str(
             all(r["loss_and_norm"] == same for r in g))
-        print(f"{engine:<18} {variant:<10} {str(overlap):>7} {ranks:>4} {batch:>5} {ms:>8.2f} {tps:>10,.0f} "
+        print(f"{engine:<18} {variant:<10} {str(overlap):>7} {ranks:>4} {batch:>5} {accum:>5} {sums:>4} {ms:>8.2f} "
+              f"{exposed} {tps:>10,.0f} "
               f"{per_rank[key]:>9,.0f} {scaling:>8.1%} {vs_ddp:>7.2f} {str(g[0]['memory_gb_by_rank']):<28} {equal}")
 
 

@@ -6,7 +6,7 @@ launched eagerly and inside a captured CUDA graph, one rank per GPU:
 Checks, each on every rank: each rank drives a GPU of its own; all-reduce (float32 and the
 float64 the sharded AdamW uses), in-place reduce-scatter and all-gather (ZeRO-1), the bucketed
 sums the training step starts during the backward (all-reduce, and reduce onto each shard's
-owner, on the communication stream), the host sums over MPI, then the same device collectives
+owner, on the communication stream; a sum in bf16), the host sums over MPI, then the same device collectives
 captured with the training step's recipe (Backend.capture) and replayed with new inputs. Prints
 one line per check on rank 0, then the all-reduce bandwidth of a gradient buffer of the `gpu`
 preset, and ends with "nccl self-check passed" (exit 0), or the first mismatch (exit 1).
@@ -77,6 +77,16 @@ def main() -> int:
     comm.wait()
     check("all-reduce in two buckets on the communication stream", buf.copy_to_host(),
           (size * base + ranks.sum()).astype(np.float32))
+
+    small = np.arange(n, dtype=np.float64) % 20   # sums below 256 up to 8 ranks: exact in bf16
+    buf = cuda.to_device((small + rank).astype(np.float32))
+    wire = be.zeros(n, "bf16")
+    comm.all_reduce_sum_async(buf, wire=wire)
+    comm.backward_done()
+    comm.wait()
+    check("all-reduce in bf16 on the communication stream", buf.copy_to_host(),
+          (size * small + ranks.sum()).astype(np.float32))
+    check("the exposed time is read from CUDA events", True, comm.exposed_ms() >= 0)
 
     buf = cuda.to_device((base + rank).astype(np.float32))
     for owner in range(size):

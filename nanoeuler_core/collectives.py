@@ -9,9 +9,12 @@ Ranks must start collectives in the same order. On host arrays they simply run a
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import numpy as np
+
+from nanoeuler_core.registry import bf16_bits, bf16_values
 
 
 class Collectives(Protocol):
@@ -33,15 +36,23 @@ class Collectives(Protocol):
     def all_gather(self, buf) -> None:
         """buf[shard of rank r] <- rank r's buf[shard of rank r], for every r."""
 
-    def all_reduce_sum_async(self, buf) -> None:
-        """Start buf <- the sum of every rank's buf; complete once `wait()` returns."""
+    def all_reduce_sum_async(self, buf, wire=None) -> None:
+        """Start buf <- the sum of every rank's buf; complete once `wait()` returns. With `wire`, a
+        bf16 buffer of buf's size, the sum travels in bfloat16 (see the module docstring)."""
 
-    def reduce_sum_async(self, buf, root: int) -> None:
+    def reduce_sum_async(self, buf, root: int, wire=None) -> None:
         """Start buf <- the sum of every rank's buf on rank `root` (buf is undefined elsewhere);
-        complete once `wait()` returns."""
+        complete once `wait()` returns. `wire` as for `all_reduce_sum_async`."""
 
     def wait(self) -> None:
         """Work queued after this call sees the results of every collective started before it."""
+
+    def backward_done(self) -> None:
+        """The backward pass has ended (as queued): `exposed_ms` counts from here."""
+
+    def exposed_ms(self) -> float:
+        """Milliseconds from the last `backward_done` to the end of the last `wait`: the time the
+        step spent waiting for its sums after the backward (read after the step has run)."""
 
     def host_sum(self, values: np.ndarray) -> np.ndarray:
         """The sum over the ranks of a small host array."""
@@ -57,13 +68,17 @@ def shard(n: int, rank: int, size: int) -> tuple[int, int]:
 
 
 class MpiCollectives:
-    """Collectives over MPI (mpi4py) on host (NumPy) arrays."""
+    """Collectives over MPI (mpi4py) on host (NumPy) arrays. Every sum blocks until it is done, so
+    none overlaps the backward: the exposed time counts the sums started during the backward too."""
 
     def __init__(self, comm):
         from mpi4py import MPI
 
         self.comm, self.MPI = comm, MPI
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._backward_done = 0.0
+        self._during_backward = 0.0   # seconds in the sums started before `backward_done`
+        self._exposed = 0.0
 
     def all_reduce_sum(self, buf) -> None:
         self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
@@ -77,17 +92,54 @@ class MpiCollectives:
     def all_gather(self, buf) -> None:
         self.comm.Allgather(self.MPI.IN_PLACE, buf)
 
-    def all_reduce_sum_async(self, buf) -> None:
-        self.all_reduce_sum(buf)
+    def all_reduce_sum_async(self, buf, wire=None) -> None:
+        start = time.perf_counter()
+        if wire is not None:
+            self._bf16_sum(buf, None)
+        else:
+            self.all_reduce_sum(buf)
+        self._count(start)
 
-    def reduce_sum_async(self, buf, root: int) -> None:
-        if self.rank == root:
+    def reduce_sum_async(self, buf, root: int, wire=None) -> None:
+        start = time.perf_counter()
+        if wire is not None:
+            self._bf16_sum(buf, root)
+        elif self.rank == root:
             self.comm.Reduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM, root=root)
         else:
             self.comm.Reduce(buf, None, op=self.MPI.SUM, root=root)
+        self._count(start)
 
     def wait(self) -> None:
-        pass
+        if self._backward_done:
+            self._exposed = self._during_backward + time.perf_counter() - self._backward_done
+        self._backward_done = self._during_backward = 0.0
+
+    def backward_done(self) -> None:
+        self._backward_done = time.perf_counter()
+
+    def exposed_ms(self) -> float:
+        return self._exposed * 1e3
+
+    def _count(self, start: float) -> None:
+        """A sum started during the backward held it up this long."""
+        if not self._backward_done:
+            self._during_backward += time.perf_counter() - start
+
+    def _bf16_sum(self, buf, root: int | None) -> None:
+        """buf <- every rank's buf rounded to bf16, summed in float32, rounded to bf16 (on `root`
+        alone, or on every rank for None)."""
+        bits = bf16_bits(buf)
+        every = np.empty((self.size, bits.size), dtype=np.uint16) if root in (None, self.rank) else None
+        if root is None:
+            self.comm.Allgather(bits, every)
+        else:
+            self.comm.Gather(bits, every, root=root)
+        if every is not None:
+            total = np.zeros(bits.size, dtype=np.float32)
+            for part in every:   # in rank order: the same sum on every rank
+                total += bf16_values(part)
+            buf[:] = bf16_values(bf16_bits(total))
 
     def host_sum(self, values: np.ndarray) -> np.ndarray:
         values = np.ascontiguousarray(values)

@@ -28,7 +28,10 @@ from nanoeuler_core.training import dpo, sft
 from nanoeuler_core.training import pretrain as train
 from finetune_helpers import make_base_run, write_jsonl
 
-MPIEXEC = Path(sysconfig.get_path("scripts")) / "mpiexec"  # where pip put mpich's launcher
+# where pip put mpich's launcher: this environment's scripts, or its base interpreter's
+MPIEXEC = next((path for path in (Path(sysconfig.get_path("scripts")) / "mpiexec",
+                                  Path(sysconfig.get_path("scripts", vars={"base": sys.base_prefix})) / "mpiexec")
+                if path.exists()), Path("mpiexec-not-found"))
 needs_mpi = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs mpiexec and mpi4py: pip install '.[dist]'")
 ONE_THREAD = {"NUMBA_NUM_THREADS": "1"}
 
@@ -90,21 +93,24 @@ class RecordingCollectives:
     rank = 0
 
     def __init__(self, model, size):
-        self.model, self.size, self.calls, self.backward_done = model, size, [], False
+        self.model, self.size, self.calls, self.after_backward = model, size, [], False
 
     def _record(self, kind, buf, root=None):
         offset = (buf.__array_interface__["data"][0] - self.model.grad_flat.__array_interface__["data"][0])
         lo = offset // buf.itemsize
-        self.calls.append((kind, lo, lo + buf.size, root, self.backward_done))
+        self.calls.append((kind, lo, lo + buf.size, root, self.after_backward))
 
-    def all_reduce_sum_async(self, buf):
+    def all_reduce_sum_async(self, buf, wire=None):
         self._record("all-reduce", buf)
 
-    def reduce_sum_async(self, buf, root):
+    def reduce_sum_async(self, buf, root, wire=None):
         self._record("reduce", buf, root)
 
     def wait(self):
         self.calls.append(("wait",))
+
+    def backward_done(self):
+        self.calls.append(("backward done",))
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -121,10 +127,10 @@ def test_gradient_sums_start_during_the_backward_in_buckets_covering_every_gradi
     batch = model.prepare(*np.ones((2, 2, cfg.ctx_len), dtype=np.int64))
     sync.begin()
     model.forward_backward(batch, grads_ready=sync.ready)
-    comm.backward_done = True
+    comm.after_backward = True
     sync.finish()
-    *sums, last = comm.calls
-    assert last == ("wait",)
+    *sums, done, last = comm.calls
+    assert done == ("backward done",) and last == ("wait",)
     assert sum(not done for *_, done in sums) >= 3, "the sums should start while the backward still runs"
     covered = sorted((lo, hi) for _, lo, hi, _, _ in sums)
     assert covered[0][0] == 0 and covered[-1][1] == model.n_params
@@ -139,6 +145,46 @@ def test_gradient_sums_start_during_the_backward_in_buckets_covering_every_gradi
         if group.sharded:   # each part goes to the rank that owns it, never across two parts
             per_rank = (group.hi - group.lo) // 2
             assert root == (lo - group.lo) // per_rank == (hi - 1 - group.lo) // per_rank
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_buckets_fire_in_the_order_the_backward_finishes_them_and_the_last_is_the_last_report(tied):
+    """Each report of final gradients fires every final gradient not yet summed once they fill a
+    bucket: the norms ride with the next block instead of waiting for the end, and once the rest
+    fits in a bucket every report fires, so the sums after the backward's last report cover
+    exactly what that report names (the embedding table and the first norm)."""
+    from nanoeuler_core.engine.optim import GradientSync, make_optimizer
+
+    cfg = tiny_config(tie_embeddings=tied)
+    model = Model(cfg, backend="cpu")
+    comm = RecordingCollectives(model, size=2)
+    groups = make_optimizer("adamw", model, comm=comm).groups
+    block = sum(int(np.prod(s)) for n, (_, s) in model.layout.items() if n.startswith("layers.1."))
+    sync = GradientSync(model, comm, groups, bucket=block)   # about one block per bucket
+    reports = []
+
+    def ready(names):
+        reports.append((list(names), len(comm.calls)))
+        sync.ready(names)
+
+    batch = model.prepare(*np.ones((2, 2, cfg.ctx_len), dtype=np.int64))
+    sync.begin()
+    model.forward_backward(batch, grads_ready=ready)
+    sync.finish()
+    size = lambda name: int(np.prod(model.layout[name][1]))
+    last_names, first_of_last = reports[-1]
+    last = [call for call in comm.calls[first_of_last:] if call[0] == "all-reduce"]
+    assert sum(hi - lo for _, lo, hi, _, _ in last) == sum(size(n) for n in last_names) < block
+    assert comm.calls[-2:] == [("backward done",), ("wait",)], "nothing is left to sum once the backward ends"
+    # a block's norms are summed before the backward's last report, with a bucket that fills
+    norm_offset, _ = model.layout[f"layers.{cfg.n_layers - 1}.ffn_norm"]
+    assert any(lo <= norm_offset < hi for _, lo, hi, _, _ in comm.calls[:first_of_last])
+    # and the buckets follow the backward: the last block's matrices before the first block's
+    def summed_at(name):
+        offset, _ = model.layout[name]
+        return next(i for i, (_, lo, hi, _, _) in enumerate(comm.calls[:first_of_last]) if lo <= offset < hi)
+
+    assert summed_at(f"layers.{cfg.n_layers - 1}.wq") < summed_at("layers.0.wq")
 
 
 def test_loaders_split_a_step_into_micro_batches(tok):
@@ -261,6 +307,7 @@ def runs(corpus_and_tokenizer, tmp_path_factory):
     checked(run(pretrain_args(corpus_and_tokenizer, root / "accum", "--grad-accum", 2)))
     checked(run(pretrain_args(corpus_and_tokenizer, root / "ranks"), ranks=2))
     checked(run(pretrain_args(corpus_and_tokenizer, root / "zero", "--zero", 1), ranks=2))
+    checked(run(pretrain_args(corpus_and_tokenizer, root / "bf16", "--grad-reduce", "bf16"), ranks=2))
     checked(run(pretrain_args(corpus_and_tokenizer, root / "resumed", steps=3), ranks=2))
     checked(run(["pretrain", "--resume", root / "resumed", "--steps", 6, "--sample-prompt", "x"], ranks=2))
     checked(run(pretrain_args(corpus_and_tokenizer, root / "muon_accum", "--optimizer", "muon", "--grad-accum", 2)))
@@ -280,6 +327,18 @@ def test_two_ranks_equal_one_process_accumulating_two_micro_batches(runs):
 @needs_mpi
 def test_zero_1_equals_plain_data_parallel(runs):
     assert_same_run(runs / "zero", runs / "ranks")
+
+
+@needs_mpi
+def test_bf16_gradient_sums_round_and_train_as_fp32_ones(runs):
+    """Sums in bf16 really round (the weights differ from the float32 sums' after one step) and
+    train as float32 sums do, within bf16's rounding."""
+    bf16, fp32 = metric_losses(runs / "bf16"), metric_losses(runs / "ranks")
+    assert bf16[0] == fp32[0], "step 1's loss comes before any update"
+    np.testing.assert_allclose(bf16, fp32, rtol=2e-3)
+    (wb, ob), (wf, of) = saved_state(runs / "bf16"), saved_state(runs / "ranks")
+    assert 1e-6 < relative_difference(wb, wf) < 1e-2
+    assert relative_difference(ob, of) < 2e-2
 
 
 @needs_mpi

@@ -43,6 +43,9 @@ def pretrain(
                                                         "the run's own)"),
     zero: Optional[int] = typer.Option(None, help="1: shard the AdamW moments over the mpiexec ranks (ZeRO-1); "
                                                   "a checkpoint resumes with or without it"),
+    grad_reduce: Optional[str] = typer.Option(None, help="fp32 or bf16: what the gradients' sums over the mpiexec "
+                                                         "ranks travel in (bf16: half the bytes, the sums rounded to "
+                                                         "bf16; default: fp32; with --resume: the run's own)"),
     lr: Optional[float] = typer.Option(None, help="peak learning rate (default: 1e-3 small, 3e-4 otherwise)"),
     warmup: Optional[int] = typer.Option(None, help="warm-up steps (default: 5% of --decay-steps)"),
     decay_steps: Optional[int] = typer.Option(None, help="the schedule's horizon (default: --steps)"),
@@ -90,14 +93,14 @@ def pretrain(
             if resume is not None:
                 overrides = ({"precision": precision, "eager": eager}
                              | {k: v for k, v in (("backend", backend), ("steps", steps), ("grad_accum", grad_accum),
-                                                  ("zero", zero), ("recompute", recompute),
+                                                  ("zero", zero), ("grad_reduce", grad_reduce), ("recompute", recompute),
                                                   ("target_loss", target_loss), ("time_budget", time_budget)) if v is not None})
                 run = training.resume_run(resume, overrides | hellaswag_settings, log)
             else:
                 tc = training.TrainConfig(preset=preset, backend=backend or "cpu", corpus=str(corpus) if corpus else None,
                                           tokenizer=str(tokenizer) if tokenizer else None, steps=steps or (NO_STEP_LIMIT if time_budget else DEFAULT["steps"]),
                                           batch_size=batch_size, grad_accum=1 if grad_accum is None else grad_accum,
-                                          zero=zero or 0,
+                                          zero=zero or 0, grad_reduce=grad_reduce or "fp32",
                                           lr=lr, warmup=warmup, decay_steps=decay_steps, schedule=schedule, optimizer=optimizer, muon_lr=muon_lr, target_loss=target_loss, time_budget=time_budget, seed=seed,
                                           eval_every=eval_every,
                                           ckpt_every=ckpt_every, precision=precision, eager=eager,
@@ -154,8 +157,10 @@ def log_run(run, log) -> None:
     ranks = distributed.world().size
     shape = f"batch {tc.batch_size} x {cfg.ctx_len}"
     if tc.grad_accum > 1 or ranks > 1:
+        notes = ", ".join(n for n in (run.optimizer.sharded, "sums in bf16" if run.optimizer.wire is not None else "") if n)
+        notes = f" ({notes})" if notes else ""
         shape += (f" per micro-batch, {tc.grad_accum} micro-batch{'es' if tc.grad_accum > 1 else ''} on each of "
-                  f"{ranks} rank{'s' if ranks > 1 else ''}{f' ({run.optimizer.sharded})' if run.optimizer.sharded else ''}: "
+                  f"{ranks} rank{'s' if ranks > 1 else ''}{notes}: "
                   f"{training.rows_per_step(tc)} sequences per step")
     log(f"run {run.dir}: {cfg.n_params():,} parameters ({tc.preset}), backend {tc.backend} ({tc.precision}), {shape}, "
         f"steps {run.optimizer.step_count} -> " + (f"{tc.steps}" if tc.time_budget is None else

@@ -20,9 +20,17 @@ backend work, so a captured CUDA graph holds them.
 
 The sums start before the backward ends, as PyTorch's DDP does: the backward of a step's last
 micro-batch reports each group of parameters whose gradient is final (`GradientSync.ready`), and
-every contiguous run of final gradients of at least `bucket` elements is summed at once, on the
-communication stream, while the backward goes on (ZeRO-1: reduced to the rank that owns each
-part); `update` waits for the last of them. A step on N ranks then costs about what it costs on one.
+the final gradients are summed in buckets, in the order the backward finishes them, on the
+communication stream, while the backward goes on (ZeRO-1: reduced to the rank that owns each part);
+`update` waits for the last of them. The last bucket holds only the embedding table and the first
+norm (what the backward finishes last), so little communication is left once the backward ends.
+With `grad_reduce="bf16"` the sums travel in bfloat16 (half the bytes) and land in the float32
+gradient buffer, which the update reads.
+
+The update itself cannot start on a bucket as soon as its sum lands: every update scales its
+gradient by min(1, max_grad_norm / norm), the norm of the group's whole gradient (for AdamW, of
+every parameter), which is known only once the last bucket's sum has landed. What is left after it
+is the norm and the update over this rank's part (a 1 / ranks share with ZeRO-1).
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ def lr_at(step: int, peak: float, warmup: int, total: int, final_ratio: float = 
 
 BUCKET_ELEMENTS = 4 * 2**20   # gradients summed per collective at least (16 MB of float32; DDP's are 25 MB)
 OPTIMIZERS = ("adamw", "muon")
+GRAD_REDUCE = ("fp32", "bf16")   # what the gradients' sums over the ranks travel in
 
 
 @dataclass
@@ -78,41 +87,56 @@ class Group:
 class GradientSync:
     """Sums the model's gradient buffer over the ranks in buckets while the backward still runs.
 
-    `ready(names)` marks parameters whose gradients are final; each contiguous run of final,
-    not yet summed gradients of at least `bucket` elements is summed (all-reduced, or, inside a
-    sharded group, reduced onto the rank owning each part of it) as soon as it forms; `finish()`
-    sums what is left and waits. The runs depend only on the order of `ready` calls, the same on
-    every rank.
+    `ready(names)` marks parameters whose gradients are final, in the order the backward produces
+    them. A bucket is every final gradient not yet summed; it fires (each of its contiguous runs
+    summed: all-reduced, or, inside a sharded group, reduced onto the rank owning each part of it)
+    as soon as it holds `bucket` elements, or, once what is still to come fits in one bucket, at
+    every report: so the last bucket, which nothing can overlap, holds only what the last report
+    brings (the embedding table and the first norm), and the small gradients (the norms) ride with
+    the next large bucket instead of waiting for the end. `finish()` marks the end of the backward
+    (`Collectives.backward_done`: the exposed communication is timed from there), sums what is
+    left and waits. The buckets depend only on the order of `ready` calls, the same on every rank.
+
+    With `wire` (a bf16 buffer as long as the gradients), every sum travels in bfloat16.
     """
 
-    def __init__(self, model, comm: Collectives, groups: list[Group], bucket: int = BUCKET_ELEMENTS):
-        self.model, self.comm, self.groups, self.bucket = model, comm, groups, bucket
+    def __init__(self, model, comm: Collectives, groups: list[Group], bucket: int = BUCKET_ELEMENTS, wire=None):
+        self.model, self.comm, self.groups, self.bucket, self.wire = model, comm, groups, bucket, wire
         self.started = False
         self._ready: list[list[int]] = []    # sorted, disjoint [lo, hi) runs of final, unsummed gradients
+        self._pending = 0                    # elements in them
         self._summed = 0
 
     def begin(self) -> None:
-        self.started, self._ready, self._summed = True, [], 0
+        self.started, self._ready, self._pending, self._summed = True, [], 0, 0
 
     def ready(self, names) -> None:
-        """The gradients of these parameters are final: sum every run that is now large enough."""
+        """The gradients of these parameters are final: fire the bucket if it is due."""
         for name in names:
             offset, shape = self.model.layout[name]
             self._add(offset, offset + int(np.prod(shape)))
-        for run in [r for r in self._ready if r[1] - r[0] >= self.bucket]:
-            self._ready.remove(run)
-            self._sum(*run)
+        to_come = self.model.n_params - self._summed - self._pending
+        if self._pending >= self.bucket or to_come <= self.bucket:
+            self._fire()
 
     def finish(self) -> None:
-        """Sum the rest and wait for every sum; every parameter must have been reported."""
-        for run in self._ready:
-            self._sum(*run)
+        """The backward has ended: sum the rest and wait for every sum; every parameter must have
+        been reported."""
+        self.comm.backward_done()
+        self._fire()
         if self._summed != self.model.n_params:
             raise RuntimeError(f"the backward reported {self._summed:,} of {self.model.n_params:,} gradients final")
         self.comm.wait()
         self.started = False
 
+    def sum_all(self) -> None:
+        """Sum the whole buffer at once, after the backward (no overlap)."""
+        self.begin()
+        self._add(0, self.model.n_params)
+        self.finish()
+
     def _add(self, lo: int, hi: int) -> None:
+        self._pending += hi - lo
         runs = self._ready + [[lo, hi]]
         runs.sort()
         merged = [runs[0]]
@@ -123,6 +147,11 @@ class GradientSync:
                 merged.append(run)
         self._ready = merged
 
+    def _fire(self) -> None:
+        for run in self._ready:
+            self._sum(*run)
+        self._ready, self._pending = [], 0
+
     def _sum(self, lo: int, hi: int) -> None:
         grads, comm = self.model.grad_flat, self.comm
         self._summed += hi - lo
@@ -131,14 +160,17 @@ class GradientSync:
             if start >= end:
                 continue
             if not group.sharded:
-                comm.all_reduce_sum_async(grads[start:end])
+                comm.all_reduce_sum_async(grads[start:end], **self._wire(start, end))
                 continue
             per_rank = (group.hi - group.lo) // comm.size
             while start < end:   # split where the ranks' parts meet: each part goes to its owner
                 owner = (start - group.lo) // per_rank
                 stop = min(end, group.lo + (owner + 1) * per_rank)
-                comm.reduce_sum_async(grads[start:stop], owner)
+                comm.reduce_sum_async(grads[start:stop], owner, **self._wire(start, stop))
                 start = stop
+
+    def _wire(self, lo: int, hi: int) -> dict:
+        return {} if self.wire is None else {"wire": self.wire[lo:hi]}
 
 
 class Optimizer:
@@ -148,14 +180,18 @@ class Optimizer:
 
     name = ""
 
-    def __init__(self, model, groups: list[Group], comm: Collectives | None, overlap: bool):
-        self.model, self.groups, self.comm = model, groups, comm
+    def __init__(self, model, groups: list[Group], comm: Collectives | None, overlap: bool, grad_reduce: str):
+        if grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"--grad-reduce must be one of {', '.join(GRAD_REDUCE)}, got '{grad_reduce}'")
+        self.model, self.groups, self.comm, self.overlap = model, groups, comm, overlap
         kernels = registry.kernels_on(model.backend_name, sorted({g.op for g in groups}))
         for group in groups:
             group.kernel = getattr(kernels, group.op).forward
             group.sched = model.backend.zeros(2)
         self.step_count = 0
-        self.sync = GradientSync(model, comm, groups) if comm is not None and overlap else None
+        # the bf16 copy of the gradients the sums travel in
+        self.wire = model.backend.zeros(model.n_params, "bf16") if comm is not None and grad_reduce == "bf16" else None
+        self.sync = GradientSync(model, comm, groups, wire=self.wire) if comm is not None else None
 
     @staticmethod
     def _group(model, op: str, lo: int, hi: int, comm, sharded: bool, state: tuple[str, ...], attrs: dict) -> Group:
@@ -177,11 +213,16 @@ class Optimizer:
         """The optimizer state this rank holds, in elements."""
         return sum(len(g.state) * (g.own_hi - g.own_lo) for g in self.groups)
 
+    @property
+    def wire_bytes(self) -> int:
+        """The bytes of the bf16 buffer the gradients' sums travel in (0 for float32 sums)."""
+        return 0 if self.wire is None else 2 * self.model.n_params
+
     def grads_ready_hook(self):
         """What the backward of a step's last micro-batch should call as gradients become final
         (Model.forward_backward's `grads_ready`), or None where nothing overlaps: the sums over
         the ranks then start early, and `update` waits for them."""
-        if self.sync is None:
+        if self.sync is None or not self.overlap:
             return None
         self.sync.begin()
         return self.sync.ready
@@ -197,13 +238,17 @@ class Optimizer:
         gather the sharded parts, then refresh the copy the model computes with (backend work
         only); returns each group's gradient norm (1,) on the backend (see `host_norm`)."""
         model, comm = self.model, self.comm
-        synced = self.sync is not None and self.sync.started
-        if synced:
+        if self.sync is not None and self.sync.started:
             self.sync.finish()
+        elif self.wire is not None:
+            self.sync.sum_all()
+        elif comm is not None:   # after the backward, one collective per group, on the kernels' stream
+            comm.backward_done()
+            for g in self.groups:
+                (comm.reduce_scatter_sum if g.sharded else comm.all_reduce_sum)(model.grad_flat[g.lo:g.hi])
+            comm.wait()
         norms = []
         for g in self.groups:
-            if comm is not None and not synced:
-                (comm.reduce_scatter_sum if g.sharded else comm.all_reduce_sum)(model.grad_flat[g.lo:g.hi])
             norm, _ = g.kernel(model.flat[g.own_lo:g.own_hi], model.grad_flat[g.own_lo:g.own_hi], *g.state.values(),
                                g.sched, reduce_sum_squares=comm.all_reduce_sum if g.sharded else None, **g.attrs)
             norms.append(norm)
@@ -283,10 +328,10 @@ class AdamW(Optimizer):
     name = "adamw"
 
     def __init__(self, model, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0,
-                 comm: Collectives | None = None, zero: bool = False, overlap: bool = True):
+                 comm: Collectives | None = None, zero: bool = False, overlap: bool = True, grad_reduce: str = "fp32"):
         _check_zero(comm, zero)
         group = _adamw_group(model, 0, model.n_params, comm, zero, betas, eps, weight_decay, max_grad_norm)
-        super().__init__(model, [group], comm, overlap)
+        super().__init__(model, [group], comm, overlap, grad_reduce)
 
 
 class Muon(Optimizer):
@@ -299,8 +344,8 @@ class Muon(Optimizer):
     name = "muon"
 
     def __init__(self, model, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0,
-                 comm: Collectives | None = None, zero: bool = False, overlap: bool = True, momentum: float = 0.95,
-                 ns_steps: int = 5, lr_ratio: float = 1.0):
+                 comm: Collectives | None = None, zero: bool = False, overlap: bool = True, grad_reduce: str = "fp32",
+                 momentum: float = 0.95, ns_steps: int = 5, lr_ratio: float = 1.0):
         _check_zero(comm, zero)
         blocks = model.cfg.n_layers
         shared_out = comm is not None and blocks % comm.size == 0
@@ -310,12 +355,12 @@ class Muon(Optimizer):
                                 max_grad_norm=max_grad_norm))
         muon.lr_ratio = lr_ratio
         rest = _adamw_group(model, model.n_hidden, model.n_params, comm, zero, betas, eps, weight_decay, max_grad_norm)
-        super().__init__(model, [muon, rest], comm, overlap)
+        super().__init__(model, [muon, rest], comm, overlap, grad_reduce)
 
 
 def make_optimizer(name: str, model, **settings) -> Optimizer:
     """The optimizer called `name` (OPTIMIZERS) over `model`, with AdamW's settings (betas, eps,
-    weight_decay, max_grad_norm) and the data-parallel ones (comm, zero, overlap)."""
+    weight_decay, max_grad_norm) and the data-parallel ones (comm, zero, overlap, grad_reduce)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{name}'")
     return (AdamW if name == "adamw" else Muon)(model, **settings)

@@ -11,7 +11,7 @@ the all-reduce is part of the step's CUDA graph. Before anything else, each rank
 of the machine from the backend (one GPU per rank, by local rank; or its share of the cores) and
 the ranks check that no two of them drive the same device. With ZeRO-1 (--zero 1) the gradients
 are reduce-scattered, each rank updates its shard of the parameters with its shard of the AdamW
-moments, and the shards are all-gathered.
+moments, and the shards are all-gathered. With --grad-reduce bf16 the sums travel in bfloat16.
 
 Started without mpiexec, everything runs as one process and nothing here imports MPI.
 
@@ -160,6 +160,8 @@ def memory_line(model, optimizer) -> str:
     state = optimizer.state_elements * item
     line = (f"memory per rank: parameters and gradients {2 * model.n_params * item / 1e6:,.1f} MB, optimizer state "
             f"{state / 1e6:,.1f} MB" + (f" ({optimizer.sharded})" if optimizer.sharded else ""))
+    if optimizer.wire_bytes:
+        line += f", bf16 gradients for the sums {optimizer.wire_bytes / 1e6:,.1f} MB"
     in_use = world().allgather(model.backend.memory_in_use())
     if in_use[0] is not None:
         line += "; device memory in use " + ", ".join(f"{b / 1e9:.2f}" for b in in_use) + " GB (by rank)"

@@ -75,6 +75,7 @@ class TrainConfig:
     tie_embeddings: bool = False        # head 0 reads the embedding table (ModelConfig.tie_embeddings)
     grad_accum: int = 1                 # micro-batches of batch_size rows per optimizer step (on each rank)
     zero: int = 0                       # 1: AdamW moments sharded over the data-parallel ranks (ZeRO-1)
+    grad_reduce: str = "fp32"           # what the gradients' sums over the ranks travel in: fp32 or bf16
     muon_lr: float | None = None        # Muon's peak learning rate (default: --lr), on the same schedule
     muon_momentum: float = 0.95         # Muon's momentum (Nesterov)
     eval_hellaswag_every: int = 0       # HellaSwag acc/acc_norm every N steps into metrics.jsonl (0: never)
@@ -103,6 +104,8 @@ class TrainConfig:
             raise ValueError(f"--target-loss must be a positive number, got {self.target_loss}")
         if self.zero not in (0, 1):
             raise ValueError(f"--zero must be 0 (off) or 1 (sharded optimizer state), got {self.zero}")
+        if self.grad_reduce not in optim.GRAD_REDUCE:
+            raise ValueError(f"--grad-reduce must be one of {', '.join(optim.GRAD_REDUCE)}, got '{self.grad_reduce}'")
         for name in ("lr", "muon_lr"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
@@ -177,7 +180,8 @@ def make_optimizer(model: Model, tc: TrainConfig) -> Optimizer:
     comm = distributed.world().collectives(tc.backend)
     muon = {"momentum": tc.muon_momentum, "lr_ratio": (tc.muon_lr or tc.lr) / tc.lr} if tc.optimizer == "muon" else {}
     return optim.make_optimizer(tc.optimizer, model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
-                                max_grad_norm=tc.grad_clip, comm=comm, zero=bool(tc.zero) and comm is not None, **muon)
+                                max_grad_norm=tc.grad_clip, comm=comm, zero=bool(tc.zero) and comm is not None,
+                                grad_reduce=tc.grad_reduce, **muon)
 
 
 def rows_per_step(tc: TrainConfig) -> int:
