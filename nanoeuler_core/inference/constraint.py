@@ -83,10 +83,11 @@ _LL_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def ll_tokenizer(tok, eos_id: int) -> llguidance.LLTokenizer:
     """llguidance's tokenizer over `tok`'s vocabulary, ending at eos_id: made once per tokenizer and
-    end token (its token trie and the slices that speed up masks), then kept."""
+    end token (its token trie, and the slices of the vocabulary that speed up JSON's masks), then kept."""
     made = _LL_TOKENIZERS.setdefault(tok, {})
     if eos_id not in made:
-        made[eos_id] = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tok, eos_id)))
+        made[eos_id] = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tok, eos_id)),
+                                              slices=llguidance.LLTokenizer.json_slices())
     return made[eos_id]
 
 
