@@ -9,13 +9,11 @@ import threading
 import numpy as np
 import pytest
 
-from finetune_helpers import make_base_run
 from nanoeuler_core import registry
 from nanoeuler_core.inference.constraint import Constraint, response_grammar
 from nanoeuler_core.inference.decoder import Decoder, Sampling
 from nanoeuler_core.inference.generate import generate
-from nanoeuler_core.inference.loading import load_model
-from test_serve import serving
+from test_serve import alpaca_run, model_tok, serving  # noqa: F401 (alpaca_run, model_tok: the tiny chat run)
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
@@ -98,23 +96,8 @@ def test_response_format_errors_are_one_line_and_name_the_problem():
 # rows held to a grammar in the decoder
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, tok):
-    """A tiny untrained run marked as fine-tuned in the Alpaca template (a chat model)."""
-    path = make_base_run(tmp_path_factory.mktemp("structured") / "tiny-json", tok, seed=3)
-    config = json.loads((path / "config.json").read_text())
-    config["training"]["template"] = "alpaca"
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
-@pytest.fixture(scope="module")
-def model_tok(run):
-    return load_model(run)
-
-
 @pytest.mark.parametrize("speculative, sampling", [(False, Sampling(1.0)), (True, Sampling(0.0))])
-def test_constrained_and_free_rows_share_a_step(model_tok, speculative, sampling):
+def test_constrained_and_free_rows_share_a_step(model_tok, speculative, sampling):  # noqa: F811
     """A row held to a schema and a free row decode in one batch, each exactly as alone (the free
     row as if no grammar were near it), the held one valid JSON; with speculative decoding on
     (greedy: the same tokens as plain), the held row decodes plain and the free row speculates
@@ -146,7 +129,7 @@ def test_constrained_and_free_rows_share_a_step(model_tok, speculative, sampling
         assert decoder.speculative_steps > 0 and decoder.steps > decoder.speculative_steps
 
 
-def test_generate_takes_response_format(model_tok):
+def test_generate_takes_response_format(model_tok):  # noqa: F811
     model, tok = model_tok
     for seed in range(3):
         text = generate(model, tok, "A point:", max_new_tokens=80, temperature=1.0, seed=seed,
@@ -164,8 +147,8 @@ def test_generate_takes_response_format(model_tok):
 
 
 @pytest.fixture(scope="module")
-def served(run):
-    with serving(run, max_batch=4) as (url, app):
+def served(alpaca_run):  # noqa: F811
+    with serving(alpaca_run, max_batch=4) as (url, app):
         yield app, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -174,7 +157,7 @@ def test_json_schema_completions_and_chat_validate(served, name):
     """At temperature 1, several seeds: every choice parses and validates, completions and chat."""
     _, client = served
     schema = SCHEMAS[name]
-    completion = client.completions.create(model="tiny-json", prompt="Answer in JSON:", max_tokens=120,
+    completion = client.completions.create(model="tiny-sft", prompt="Answer in JSON:", max_tokens=120,
                                            temperature=1.0, seed=1, n=3,
                                            extra_body={"response_format": json_schema_format(schema, name)})
     for choice in completion.choices:
@@ -182,7 +165,7 @@ def test_json_schema_completions_and_chat_validate(served, name):
         jsonschema.validate(json.loads(choice.text), schema)
     assert len({choice.text for choice in completion.choices}) > 1   # the seeds differ: so do the answers
     for seed in (2, 3):
-        reply = client.chat.completions.create(model="tiny-json", messages=[{"role": "user", "content": "JSON?"}],
+        reply = client.chat.completions.create(model="tiny-sft", messages=[{"role": "user", "content": "JSON?"}],
                                                max_tokens=120, temperature=1.0, seed=seed,
                                                response_format=json_schema_format(schema, name))
         assert reply.choices[0].finish_reason == "stop"
@@ -193,7 +176,7 @@ def test_json_object_streamed_and_cut_by_max_tokens(served):
     """Any JSON object: a choice that ends ("stop") parses to an object; one that max_tokens cuts
     ("length") is the start of one (an untrained model's strings run long)."""
     _, client = served
-    stream = client.chat.completions.create(model="tiny-json", messages=[{"role": "user", "content": "An object"}],
+    stream = client.chat.completions.create(model="tiny-sft", messages=[{"role": "user", "content": "An object"}],
                                             max_tokens=150, temperature=1.0, seed=0, n=4, stream=True,
                                             response_format={"type": "json_object"})
     texts, reasons = [""] * 4, [None] * 4
@@ -209,7 +192,7 @@ def test_json_object_streamed_and_cut_by_max_tokens(served):
         else:
             with pytest.raises(json.JSONDecodeError):
                 json.loads(text)
-    cut = client.completions.create(model="tiny-json", prompt="{", max_tokens=2, temperature=1.0, seed=0,
+    cut = client.completions.create(model="tiny-sft", prompt="{", max_tokens=2, temperature=1.0, seed=0,
                                     extra_body={"response_format": json_schema_format(NESTED)})
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].text.startswith("{")
 
@@ -217,14 +200,14 @@ def test_json_object_streamed_and_cut_by_max_tokens(served):
 def test_unsupported_schema_is_a_400_naming_it(served):
     _, client = served
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny-json", messages=[{"role": "user", "content": "x"}],
+        client.chat.completions.create(model="tiny-sft", messages=[{"role": "user", "content": "x"}],
                                        response_format=json_schema_format({"type": "array", "uniqueItems": True}))
     assert "uniqueItems" in info.value.message and info.value.body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError, match="response_format"):
-        client.completions.create(model="tiny-json", prompt="x", extra_body={"response_format": {"type": "yaml"}})
+        client.completions.create(model="tiny-sft", prompt="x", extra_body={"response_format": {"type": "yaml"}})
 
 
-def test_constrained_and_free_requests_at_once(served, model_tok):
+def test_constrained_and_free_requests_at_once(served, model_tok):  # noqa: F811
     """Requests with and without a schema decoding in one batch: the free ones are what `generate`
     gives alone, the held ones valid and what `generate` gives with the same response_format."""
     app, client = served
@@ -240,7 +223,7 @@ def test_constrained_and_free_requests_at_once(served, model_tok):
 
     def ask(key, seed, response_format):
         extra = {"ignore_eos": True} if response_format is None else {"response_format": response_format}
-        results[key] = client.completions.create(model="tiny-json", prompt="Go:", max_tokens=100, temperature=1.0,
+        results[key] = client.completions.create(model="tiny-sft", prompt="Go:", max_tokens=100, temperature=1.0,
                                                  seed=seed, extra_body=extra).choices[0]
 
     asks = [("free", 21, None), ("nested", 22, json_schema_format(NESTED)), ("enums", 23, json_schema_format(ENUMS)),
