@@ -48,7 +48,7 @@ class LLGuidance:
         self.tok, self.V = tok, tok.vocab_size
         ll_tokenizer(tok, tok.eos_id)
         self.grammar = response_grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
-        self.bits = np.full((tok.vocab_size + 31) // 32, -1, dtype=np.int32)
+        self.bits = np.full((1, (tok.vocab_size + 31) // 32), -1, dtype=np.int32)
 
     def start(self):
         from nanoeuler_core.inference.constraint import Constraint
@@ -56,8 +56,10 @@ class LLGuidance:
         self.constraint = Constraint(self.grammar, self.tok, self.tok.eos_id)
 
     def mask(self) -> np.ndarray:
-        self.constraint.fill_mask(self.bits)
-        return self.bits
+        from nanoeuler_core.inference.constraint import fill_masks
+
+        fill_masks([(self.constraint, 0)], self.bits)
+        return self.bits[0]
 
     def advance(self, token: int) -> bool:
         self.constraint.accept(token)

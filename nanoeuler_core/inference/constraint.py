@@ -5,9 +5,9 @@ the token drawn then advances the matcher.
 
     grammar = response_grammar({"type": "json_schema", "json_schema": {"name": "point", "schema": schema}})
     constraint = Constraint(grammar, tok, tok.eos_id)
-    constraint.fill_mask(mask_row)     # int32 (ceil(V / 32),): the tokens allowed next
-    constraint.accept(token)           # the token drawn
-    constraint.complete                # the grammar is done: the row ends ("stop")
+    fill_masks([(constraint, b)], masks)   # int32 (B, ceil(V / 32)): row b's tokens allowed next
+    constraint.accept(token)               # the token drawn
+    constraint.complete                    # the grammar is done: the row ends ("stop")
 
 The JSON is written compactly, ", " and ": " between items and keys, no other white space (a
 barely trained model, free to, fills the white space a grammar allows).
@@ -101,10 +101,6 @@ class Constraint:
         if self.matcher.is_error():
             raise ValueError(f"the grammar cannot be used: {_one_line(self.matcher.get_error())}")
 
-    def fill_mask(self, mask_row: np.ndarray) -> None:
-        """The tokens allowed next into mask_row, int32 (ceil(V / 32),) contiguous (bit v % 32 of word v // 32)."""
-        llguidance.numpy.fill_next_token_bitmask(self.matcher, mask_row.reshape(1, -1))
-
     def accept(self, token: int) -> None:
         """Advance past `token`, one the mask allowed."""
         if not self.matcher.consume_token(token):
@@ -114,3 +110,15 @@ class Constraint:
     def complete(self) -> bool:
         """The grammar allows nothing more: the row ends here."""
         return self.matcher.is_stopped()
+
+
+_EXECUTOR: list = []   # llguidance's threads, started on first use
+
+
+def fill_masks(held: list[tuple[Constraint, int]], masks: np.ndarray) -> None:
+    """For each (constraint, row) of `held`, the tokens the constraint allows next into masks[row]
+    (int32 (B, ceil(V / 32)), C-contiguous; bit v % 32 of word v // 32), the rows computed at once on
+    llguidance's threads (without the GIL)."""
+    if not _EXECUTOR:
+        _EXECUTOR.append(llguidance.LLExecutor())
+    llguidance.numpy.fill_next_token_bitmask_par(_EXECUTOR[0], [(c.matcher, b) for c, b in held], masks)

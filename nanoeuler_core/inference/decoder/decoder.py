@@ -10,6 +10,7 @@ import weakref
 import numpy as np
 
 from nanoeuler_core import registry
+from nanoeuler_core.inference.constraint import fill_masks
 from nanoeuler_core.inference.decoder.forward import DECODE_OPS, DecodeForward
 from nanoeuler_core.inference.decoder.kv_cache import KVCache
 from nanoeuler_core.inference.decoder.pipeline import StepInFlight, StepLauncher
@@ -156,11 +157,13 @@ class Decoder:
         return any(row.constraint is not None for row in self.active_rows())
 
     def _constrain(self, rows: list[Row]) -> None:
-        """The masks of the rows among `rows` held to a grammar (the tokens it allows next) to the device."""
-        for row in rows:
-            if row.constraint is not None:
-                row.constraint.fill_mask(self.masks[row.b])
-                self.be.copy_(self.cache.mask[row.b:row.b + 1], self.masks[row.b:row.b + 1])
+        """The masks of the rows among `rows` held to a grammar (the tokens it allows next) to the
+        device, with those of the rows below them (every bit set where free)."""
+        held = [(row.constraint, row.b) for row in rows if row.constraint is not None]
+        if held:
+            fill_masks(held, self.masks)
+            n = 1 + max(b for _, b in held)
+            self.be.copy_(self.cache.mask[:n], self.masks[:n])
 
     def _fill(self, row: Row, ids: list[int]) -> None:
         """Prefill the row's cache with `ids` (its prompt, or the last half context of its tokens)
