@@ -250,5 +250,5 @@ def error_inputs(rng):
         yield ErrorInput(Sample(inputs, {"max_pos": 100}, name=name), match=match, host_values=host_values)
 
 
-OP = define_op(globals(), "Decoding: draw next tokens; verify speculative proposals (speculative sampling), counter-based RNG",
-                inplace=(1, 2, 4, 5))
+OP = define_op(globals(), "Decoding: draw next tokens under per-row token masks; verify speculative proposals "
+                          "(speculative sampling), counter-based RNG", inplace=(1, 2, 4, 5))
