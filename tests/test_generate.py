@@ -111,7 +111,8 @@ def test_sampling_filters(backend):
         state = [be.asarray(a) for a in (np.zeros((rows, 1), np.int64), np.zeros((rows, 0, 4)), np.arange(rows),
                                           np.zeros(rows, np.int64), np.zeros(rows, np.int64))]
         settings = [be.asarray(np.full(rows, x)) for x in (float(temperature), top_k, float(top_p))]
-        op.forward(be.asarray(np.tile(logits, (rows, 1, 1, 1))), *state, *settings, max_pos=100)
+        mask = be.asarray(np.full((rows, 1), -1, np.int32))   # every token allowed
+        op.forward(be.asarray(np.tile(logits, (rows, 1, 1, 1))), *state, *settings, mask, max_pos=100)
         return set(be.to_host(state[0])[:, 0].tolist())
 
     assert drawn(0.0) == {0}

@@ -128,7 +128,7 @@ def test_sample_matches_cpu_at_model_size(temperature, top_k, top_p):
     tokens[:, 1] = np.argmax(logits[:, 0, 0], axis=-1) if temperature == 0 else np.argmax(drafts[:, 0], axis=-1)
     settings = (np.full(B, float(temperature)), np.full(B, top_k), np.full(B, float(top_p)))   # every row's
     inputs = (logits, tokens, drafts, rng.integers(0, 2**62, B), rng.integers(-1, 100, B), rng.integers(0, 400, B),
-              *settings)
+              *settings, np.full((B, (V + 31) // 32), -1, np.int32))   # every token allowed
     attrs = {"max_pos": 512}
     gpu, cpu = _outputs("sample", inputs, attrs, "cuda"), _outputs("sample", inputs, attrs, "cpu")
     for g, c in zip(gpu, cpu):

@@ -3,6 +3,7 @@
 
     generate(model, tok, "It was", max_new_tokens=50, temperature=0.8, top_k=40, seed=0) -> str
     generate_batch(model, tok, ["It was", "The king"], max_new_tokens=50, seed=0) -> list[str]
+    generate(model, tok, "A point:", response_format={"type": "json_object"}) -> str (a JSON object)
 
 Row i of a batch generates exactly what generate(prompts[i], seed=seed + i) does (each row has its
 own random stream, and a row's computation does not depend on the batch), so `--num-samples N`
@@ -14,6 +15,11 @@ speculative or plain decoding. Speculative decoding gives the same greedy output
 and samples from the same distribution. `weights`: "bf16" or "fp32" (default: bf16 where the
 backend runs it; docs/decoding.md says how its greedy tokens compare).
 
+`response_format`: OpenAI's (inference/constraint.py, `response_grammar`): {"type": "json_object"}
+or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} holds every token to the
+grammar of that JSON (plain decoding: one token a step), and the text ends where the JSON does; cut
+by max_new_tokens, the JSON is incomplete.
+
 Prompts: up to ctx_len tokens (an empty prompt starts from `</s>`); a longer one is an error.
 Generation may run past the context: the cache then slides by half a context (docs/decoding.md).
 """
@@ -24,31 +30,35 @@ import codecs
 
 import numpy as np
 
+from nanoeuler_core.inference.constraint import Constraint, response_grammar
 from nanoeuler_core.inference.decoder import MAX_SEED, DecodeStats, Sampling, decoder_for
 
 
 def generate(model, tok, prompt: str, max_new_tokens: int = 50, temperature: float = 0.8, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, on_text=None, stop_at_eos: bool = True,
-             speculative: bool | None = None, stats: DecodeStats | None = None, weights: str | None = None) -> str:
+             speculative: bool | None = None, stats: DecodeStats | None = None, weights: str | None = None,
+             response_format: dict | None = None) -> str:
     """Continue `prompt`; returns the new text (without the prompt), stopping at `</s>` unless
     stop_at_eos is False. `on_text(piece)` receives the text as it is produced (whole UTF-8
     characters). `stats`, if given, is filled with what the decoding did (DecodeStats)."""
     return _generate(model, tok, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
-                     speculative, stats, on_text, weights)[0]
+                     speculative, stats, on_text, weights, response_format)[0]
 
 
 def generate_batch(model, tok, prompts: list[str], max_new_tokens: int = 50, temperature: float = 0.8,
                    top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                    stop_at_eos: bool = True, speculative: bool | None = None,
-                   stats: DecodeStats | None = None, weights: str | None = None) -> list[str]:
+                   stats: DecodeStats | None = None, weights: str | None = None,
+                   response_format: dict | None = None) -> list[str]:
     """Continue every prompt at once; row i equals generate(prompts[i], seed=seed + i)."""
     return _generate(model, tok, list(prompts), max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos,
-                     speculative, stats, None, weights)
+                     speculative, stats, None, weights, response_format)
 
 
 def _generate(model, tok, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, speculative,
-              stats, on_text, weights) -> list[str]:
+              stats, on_text, weights, response_format) -> list[str]:
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    grammar = response_grammar(response_format)
     if tok.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} entries but the model's vocab_size is "
                          f"{model.cfg.vocab_size}: use the tokenizer.json saved with the model")
@@ -59,8 +69,10 @@ def _generate(model, tok, prompts, max_new_tokens, temperature, top_k, top_p, se
     decoder = decoder_for(model, len(prompts), speculative, Sampling(temperature, top_k, top_p), weights)
     base = int(np.random.SeedSequence().entropy % MAX_SEED) if seed is None else seed
     texts = [TextStream(tok, on_text) for _ in prompts]
+    constraints = [Constraint(grammar, tok, tok.eos_id) for _ in prompts] if grammar else None
     decoder.generate(ids, max_new_tokens, [base + i for i in range(len(prompts))],
-                     tok.eos_id if stop_at_eos else None, lambda row, token: texts[row].add(token), stats)
+                     tok.eos_id if stop_at_eos else None, lambda row, token: texts[row].add(token), stats,
+                     constraints=constraints)
     return [text.finish() for text in texts]
 
 

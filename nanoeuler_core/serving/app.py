@@ -182,7 +182,8 @@ class _Api:
         if req.ignore_eos:
             ends, eos_id = [], None
         events = asyncio.Queue()   # the job's events, put there by the scheduler
-        job = Job(prompts, req.n, req.max_tokens, req.sampling, req.seed, req.stop + ends, eos_id, events.put_nowait)
+        job = Job(prompts, req.n, req.max_tokens, req.sampling, req.seed, req.stop + ends, eos_id, events.put_nowait,
+                  req.grammar)
         return _Pending(job, events, chat, req.stream, req.include_usage, echo)
 
     # ----------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ Fields read: model (optional; another id is a 404), max_tokens (completions: def
 max_completion_tokens too, default until the end of the turn, at most one context), temperature
 (0..2, default 1; 0 = greedy), top_p (0..1, default 1; 0 = greedy), n (each choice a row of its
 own, seed + index), stop (up to 4 strings, not included in the text), seed (random if absent),
-stream, stream_options, echo (completions); and two of vLLM's extensions: top_k (0 or -1 = off)
-and ignore_eos (decode past the end-of-text or end-of-turn token, to max_tokens: load tests).
+stream, stream_options, echo (completions), response_format (structured outputs: `_response_format`);
+and two of vLLM's extensions: top_k (0 or -1 = off) and ignore_eos (decode past the end-of-text or
+end-of-turn token, to max_tokens: load tests).
 Other fields are ignored, as OpenAI does; a field of the wrong type or out of range is a 400.
 
 A prompt longer than the model's context is a 400 (as `generate` refuses it). A conversation
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import orjson
 
 from nanoeuler_core.inference.chat import fit_context
+from nanoeuler_core.inference.constraint import response_grammar
 from nanoeuler_core.inference.decoder import MAX_SEED, Sampling
 from nanoeuler_core.inference.generate import prompt_ids
 from nanoeuler_core.inference.template import ChatTemplate
@@ -71,6 +73,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool      # stream_options.include_usage
     ignore_eos: bool
+    grammar: str | None      # response_format's (inference/constraint.py), None: free text
 
     @property
     def sampling(self) -> Sampling:
@@ -181,8 +184,18 @@ def _shared_fields(body: dict, limits: Limits, chat: bool) -> dict:
             "n": n, "stop": stop, "seed": secrets.randbelow(MAX_SEED) if seed is None else seed % MAX_SEED,
             "stream": _field(body, "stream", (bool,), False, "a boolean"),
             "ignore_eos": _field(body, "ignore_eos", (bool,), False, "a boolean"),
+            "grammar": _response_format(body),
             "include_usage": _field(options, "include_usage", (bool,), False, "a boolean",
                                     "stream_options.include_usage")}
+
+
+def _response_format(body: dict) -> str | None:
+    """The grammar response_format asks for (None: free text); a 400 saying what cannot be used (a
+    schema keyword llguidance does not support is named)."""
+    try:
+        return response_grammar(_field(body, "response_format", (dict,), None, "an object"))
+    except ValueError as exc:
+        raise ApiError(str(exc), param="response_format") from None
 
 
 def _prompts(prompt, tok, ctx: int) -> tuple[list[list[int]], list[str]]:

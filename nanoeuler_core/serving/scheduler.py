@@ -18,7 +18,7 @@ alone), run one step of every active row, then for each row turn its new tokens 
 UTF-8 characters), look for the stop strings, and send the text on; a row is retired when its
 choice ends (max_tokens: "length"; the end-of-text or end-of-turn token, or a stop string: "stop")
 or its job is cancelled. Choices wait in arrival order; a job counts against max_queue until its
-last choice has a row. With nothing to do the thread sleeps on its inbox.
+last choice has a row. A job with a grammar (structured outputs) holds each choice's row to it. With nothing to do the thread sleeps on its inbox.
 
 How events reach the jobs is `scheduler.deliver`'s business: it is called on the scheduler's thread
 with the events of one step, [(job, event), ...], and by default hands each to job.emit right away;
@@ -37,6 +37,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from nanoeuler_core.inference.constraint import Constraint
 from nanoeuler_core.inference.decoder import Decoder, Sampling
 from nanoeuler_core.inference.generate import TextStream
 
@@ -85,6 +86,7 @@ class Job:
     stop: list[str]                  # strings that end a choice's text (not included in it)
     eos_id: int | None               # the token that ends a choice (not included)
     emit: Callable[[object], None]   # receives the job's events, where `Scheduler.deliver` hands them over
+    grammar: str | None = None       # each choice's text is JSON of this grammar (inference/constraint.py)
     choices_left: int = field(init=False, default=0)
     waiting: int = field(init=False, default=0)     # choices without a row yet
     closed: bool = field(init=False, default=False)  # done, failed or cancelled: no more events
@@ -251,10 +253,16 @@ class Scheduler:
             job = choice.job
             self._rows[b] = choice
             self.decoder.admit(b, choice.prompt, job.seed + choice.index, job.sampling, job.max_tokens, job.eos_id,
-                               lambda _, token, choice=choice: choice.add_token(token))
+                               lambda _, token, choice=choice: choice.add_token(token), self._constraint(job))
             job.waiting -= 1
             if job.waiting == 0:
                 self._dequeued()
+
+    def _constraint(self, job: Job) -> Constraint | None:
+        """What holds a choice of `job` to its grammar (a matcher of its own), or None."""
+        if job.grammar is None:
+            return None
+        return Constraint(job.grammar, self.tok, self.tok.eos_id if job.eos_id is None else job.eos_id)
 
     def _send(self) -> None:
         """Each row's new text to its job; finished choices retired (and their jobs completed)."""

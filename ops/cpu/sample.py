@@ -12,6 +12,14 @@ _uniform = njit(cache=True)(spec.uniform)
 
 
 @njit(cache=True)
+def _masked(z, mask_row, out):
+    # z (V,) logits, mask_row (ceil(V/32),) -> out (V,): z where the mask allows, -inf elsewhere
+    for i in range(z.shape[0]):
+        out[i] = z[i] if (mask_row[i >> 5] >> (i & 31)) & 1 else -np.inf
+    return out
+
+
+@njit(cache=True)
 def _warp(z, temperature, top_k, top_p, p):
     # z (V,) logits -> p (V,) the distribution to draw from (see ops/sample.py)
     V = z.shape[0]
@@ -66,10 +74,11 @@ def _draw(weights, u):
 
 
 @njit(cache=True)
-def _sample(logits, tokens, drafts, seeds, counters, pos, temperatures, top_ks, top_ps, max_pos, accepted, p, residual):
+def _sample(logits, tokens, drafts, seeds, counters, pos, temperatures, top_ks, top_ps, mask, max_pos, accepted, p,
+            residual, z):
     # logits (B, T, K, V), tokens (B, K), drafts (B, K-1, V), seeds, counters, pos (B,), each row's
-    # temperature, top_k, top_p (B,) -> accepted (B,); tokens, drafts, counters, pos updated;
-    # p, residual (V,) scratch
+    # temperature, top_k, top_p (B,), mask (B, ceil(V/32)) -> accepted (B,); tokens, drafts,
+    # counters, pos updated; p, residual, z (V,) scratch (z: the masked logits read)
     B, T, K, V = logits.shape
     for b in range(B):
         seed, n = seeds[b], counters[b]
@@ -80,12 +89,12 @@ def _sample(logits, tokens, drafts, seeds, counters, pos, temperatures, top_ks, 
         for i in range(1, max(1, min(T, max_pos - pos[b]))):
             y = tokens[b, i]
             if greedy:
-                best = np.argmax(logits[b, i - 1, 0])
+                best = np.argmax(_masked(logits[b, i - 1, 0], mask[b], z))
                 if y != best:
                     following = best
                     break
             else:
-                _warp(logits[b, i - 1, 0], temperature, top_k, top_p, p)
+                _warp(_masked(logits[b, i - 1, 0], mask[b], z), temperature, top_k, top_p, p)
                 q = drafts[b, i - 1]
                 if not _uniform(seed, n + i, STREAM_ACCEPT) * q[y] < p[y]:
                     mass = 0.0
@@ -98,26 +107,26 @@ def _sample(logits, tokens, drafts, seeds, counters, pos, temperatures, top_ks, 
             m += 1
         if following < 0:
             if greedy:
-                following = np.argmax(logits[b, m - 1, 0])
+                following = np.argmax(_masked(logits[b, m - 1, 0], mask[b], z))
             else:
-                _warp(logits[b, m - 1, 0], temperature, top_k, top_p, p)
+                _warp(_masked(logits[b, m - 1, 0], mask[b], z), temperature, top_k, top_p, p)
                 following = _draw(p, _uniform(seed, n + m, STREAM_SAMPLE))
         tokens[b, 0] = following
         for j in range(1, K):
             if greedy:
-                tokens[b, j] = np.argmax(logits[b, m - 1, j])
+                tokens[b, j] = np.argmax(_masked(logits[b, m - 1, j], mask[b], z))
             else:
-                _warp(logits[b, m - 1, j], temperature, top_k, top_p, drafts[b, j - 1])
+                _warp(_masked(logits[b, m - 1, j], mask[b], z), temperature, top_k, top_p, drafts[b, j - 1])
                 tokens[b, j] = _draw(drafts[b, j - 1], _uniform(seed, n + m + j, STREAM_DRAFT))
         counters[b] = n + m
         pos[b] += m
         accepted[b] = m
 
 
-def forward(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, *, max_pos):
-    check_args(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p)
+def forward(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, mask, *, max_pos):
+    check_args(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, mask)
     V = logits.shape[3]
     accepted = np.empty(logits.shape[0], dtype=np.int64)
-    _sample(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, int(max_pos), accepted,
-            np.empty(V, dtype=logits.dtype), np.empty(V, dtype=logits.dtype))
+    _sample(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, mask, int(max_pos), accepted,
+            np.empty(V, dtype=logits.dtype), np.empty(V, dtype=logits.dtype), np.empty(V, dtype=logits.dtype))
     return accepted, ()

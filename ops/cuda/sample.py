@@ -11,7 +11,8 @@ path; the work over the vocabulary is split among its threads:
              block sums;
   a draw     each thread sums a contiguous chunk of the weights, thread 0 walks the chunk sums and
              then the chosen chunk, in vocabulary order.
-The distributions are written to scratch rows in global memory, so any vocabulary size fits.
+A token the row's mask leaves out is read as logit -inf (`_logit`). The distributions are written
+to scratch rows in global memory, so any vocabulary size fits.
 The helpers take their shared memory from the kernel (see device.block_reduce for why).
 """
 
@@ -37,16 +38,24 @@ def _key(bits):
 
 
 @cuda.jit(device=True, inline=True)
-def _better(best, best_i, x, i, V):
-    """(best, best_i) after logit x at index i (ignored past V), indices visited in increasing order."""
-    if i < V and (x > best or best_i == V):
+def _allowed(mask_row, i):
+    """Whether the row's mask (ceil(V/32),) allows token i."""
+    return (mask_row[i >> 5] >> (i & 31)) & 1 != 0
+
+
+@cuda.jit(device=True, inline=True)
+def _better(best, best_i, x, i, V, mask_row):
+    """(best, best_i) after logit x at index i (ignored past V and where the mask leaves it out),
+    indices visited in increasing order."""
+    if i < V and _allowed(mask_row, i) and (x > best or best_i == V):
         return x, i
     return best, best_i
 
 
 @cuda.jit(device=True)
-def _argmax(row, values, index):
-    # row (V,) -> the first index of its largest value, to every thread; values, index (THREADS,) shared.
+def _argmax(row, mask_row, values, index):
+    # row (V,) -> the first index of its largest value the mask (ceil(V/32),) allows, to every
+    # thread; values, index (THREADS,) shared.
     # A thread asks for 8 of its logits at once before comparing any (one trip to memory, not 8).
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     V = row.shape[0]
@@ -55,14 +64,14 @@ def _argmax(row, values, index):
         x0, x1, x2, x3 = row[i], row[min(i + nt, V - 1)], row[min(i + 2 * nt, V - 1)], row[min(i + 3 * nt, V - 1)]
         x4, x5 = row[min(i + 4 * nt, V - 1)], row[min(i + 5 * nt, V - 1)]
         x6, x7 = row[min(i + 6 * nt, V - 1)], row[min(i + 7 * nt, V - 1)]
-        best, best_i = _better(best, best_i, x0, i, V)
-        best, best_i = _better(best, best_i, x1, i + nt, V)
-        best, best_i = _better(best, best_i, x2, i + 2 * nt, V)
-        best, best_i = _better(best, best_i, x3, i + 3 * nt, V)
-        best, best_i = _better(best, best_i, x4, i + 4 * nt, V)
-        best, best_i = _better(best, best_i, x5, i + 5 * nt, V)
-        best, best_i = _better(best, best_i, x6, i + 6 * nt, V)
-        best, best_i = _better(best, best_i, x7, i + 7 * nt, V)
+        best, best_i = _better(best, best_i, x0, i, V, mask_row)
+        best, best_i = _better(best, best_i, x1, i + nt, V, mask_row)
+        best, best_i = _better(best, best_i, x2, i + 2 * nt, V, mask_row)
+        best, best_i = _better(best, best_i, x3, i + 3 * nt, V, mask_row)
+        best, best_i = _better(best, best_i, x4, i + 4 * nt, V, mask_row)
+        best, best_i = _better(best, best_i, x5, i + 5 * nt, V, mask_row)
+        best, best_i = _better(best, best_i, x6, i + 6 * nt, V, mask_row)
+        best, best_i = _better(best, best_i, x7, i + 7 * nt, V, mask_row)
     values[tid] = best
     index[tid] = best_i
     cuda.syncthreads()
@@ -81,9 +90,9 @@ def _argmax(row, values, index):
 
 
 @cuda.jit(device=True)
-def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits, scratch):
-    # logits z (V,) and their bits -> p (V,) the distribution to draw from (p_bits: its bits);
-    # scratch: shared (32,) float64
+def _warp(z, z_bits, mask_row, temperature, top_k, top_p, p, p_bits, scratch):
+    # logits z (V,) and their bits, the tokens the mask (ceil(V/32),) allows -> p (V,) the
+    # distribution to draw from (p_bits: its bits); scratch: shared (32,) float64
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     V = z.shape[0]
     cut = int64(-(2**31))
@@ -93,7 +102,7 @@ def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits, scratch):
             mid = low + (high - low + 1) // 2
             count = 0.0
             for i in range(tid, V, nt):
-                if _key(z_bits[i]) >= mid:
+                if _allowed(mask_row, i) and _key(z_bits[i]) >= mid:
                     count += 1.0
             if block_reduce(count, False, scratch) >= top_k:
                 low = mid
@@ -102,12 +111,12 @@ def _warp(z, z_bits, temperature, top_k, top_p, p, p_bits, scratch):
         cut = low
     top = float32(-math.inf)
     for i in range(tid, V, nt):
-        if _key(z_bits[i]) >= cut:
+        if _allowed(mask_row, i) and _key(z_bits[i]) >= cut:
             top = max(top, z[i] / temperature)
     top = float32(block_reduce(top, True, scratch))
     total = 0.0
     for i in range(tid, V, nt):
-        e = math.exp(z[i] / temperature - top) if _key(z_bits[i]) >= cut else float32(0.0)
+        e = math.exp(z[i] / temperature - top) if _allowed(mask_row, i) and _key(z_bits[i]) >= cut else float32(0.0)
         p[i] = e
         total += e
     total = block_reduce(total, False, scratch)
@@ -186,10 +195,10 @@ def _draw(p, q, residual, u, chunk_sums, chosen, scratch):
 
 @cuda.jit(cache=True)
 def _sample(logits, logit_bits, tokens, drafts, draft_bits, seeds, counters, pos, temperatures, top_ks, top_ps,
-            max_pos, accepted, probs, prob_bits):
+            mask, max_pos, accepted, probs, prob_bits):
     # logits (B, T, K, V) (and their bits), tokens (B, K), drafts (B, K-1, V) (and bits), seeds,
-    # counters, pos (B,), each row's temperature, top_k, top_p (B,) -> accepted (B,); tokens,
-    # drafts, counters, pos updated; probs (B, V) scratch. Block b handles row b.
+    # counters, pos (B,), each row's temperature, top_k, top_p (B,), mask (B, ceil(V/32)) -> accepted (B,);
+    # tokens, drafts, counters, pos updated; probs (B, V) scratch. Block b handles row b.
     B, T, K, V = logits.shape
     b = cuda.blockIdx.x
     values = cuda.shared.array(THREADS, float32)
@@ -201,19 +210,19 @@ def _sample(logits, logit_bits, tokens, drafts, draft_bits, seeds, counters, pos
     wait_for_previous()
     temperature, top_k, top_p = float32(temperatures[b]), int64(top_ks[b]), float64(top_ps[b])
     greedy = temperature == 0
-    seed, n, start = seeds[b], counters[b], pos[b]
+    seed, n, start, allowed = seeds[b], counters[b], pos[b], mask[b]
     m = 1
     following = int64(-1)
     for i in range(1, max(1, min(T, max_pos - start))):
         y = tokens[b, i]
         if greedy:
-            best = _argmax(logits[b, i - 1, 0], values, index)
+            best = _argmax(logits[b, i - 1, 0], allowed, values, index)
             if y != best:
                 following = best
                 break
         else:
-            _warp(logits[b, i - 1, 0], logit_bits[b, i - 1, 0], temperature, top_k, top_p, probs[b], prob_bits[b],
-                  scratch)
+            _warp(logits[b, i - 1, 0], logit_bits[b, i - 1, 0], allowed, temperature, top_k, top_p, probs[b],
+                  prob_bits[b], scratch)
             if not _uniform(seed, n + i, STREAM_ACCEPT) * drafts[b, i - 1, y] < probs[b, y]:
                 following = _draw(probs[b], drafts[b, i - 1], int64(1), _uniform(seed, n + i, STREAM_RESIDUAL),
                                   chunk_sums, chosen, scratch)
@@ -221,17 +230,17 @@ def _sample(logits, logit_bits, tokens, drafts, draft_bits, seeds, counters, pos
         m += 1
     if following < 0:
         if greedy:
-            following = _argmax(logits[b, m - 1, 0], values, index)
+            following = _argmax(logits[b, m - 1, 0], allowed, values, index)
         else:
-            _warp(logits[b, m - 1, 0], logit_bits[b, m - 1, 0], temperature, top_k, top_p, probs[b], prob_bits[b],
-                  scratch)
+            _warp(logits[b, m - 1, 0], logit_bits[b, m - 1, 0], allowed, temperature, top_k, top_p, probs[b],
+                  prob_bits[b], scratch)
             following = _draw(probs[b], probs[b], int64(0), _uniform(seed, n + m, STREAM_SAMPLE), chunk_sums, chosen,
                               scratch)
     for j in range(1, K):   # the row's state is written by thread 0 alone, after every thread has read it
         if greedy:
-            proposal = _argmax(logits[b, m - 1, j], values, index)
+            proposal = _argmax(logits[b, m - 1, j], allowed, values, index)
         else:
-            _warp(logits[b, m - 1, j], logit_bits[b, m - 1, j], temperature, top_k, top_p, drafts[b, j - 1],
+            _warp(logits[b, m - 1, j], logit_bits[b, m - 1, j], allowed, temperature, top_k, top_p, drafts[b, j - 1],
                   draft_bits[b, j - 1], scratch)
             proposal = _draw(drafts[b, j - 1], drafts[b, j - 1], int64(0), _uniform(seed, n + m + j, STREAM_DRAFT),
                              chunk_sums, chosen, scratch)
@@ -244,12 +253,12 @@ def _sample(logits, logit_bits, tokens, drafts, draft_bits, seeds, counters, pos
         accepted[b] = m
 
 
-def forward(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, *, max_pos):
-    check_args(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p)
+def forward(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, mask, *, max_pos):
+    check_args(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, mask)
     B, T, K, V = logits.shape
     accepted = runtime.empty((B,), np.int64)
     probs = runtime.empty((B, V), logits.dtype)
     runtime.launch(_sample, B, THREADS, logits, logits.view(np.int32), tokens, drafts, drafts.view(np.int32), seeds,
-                   counters, pos, temperature, top_k, top_p, int64(max_pos), accepted, probs, probs.view(np.int32),
+                   counters, pos, temperature, top_k, top_p, mask, int64(max_pos), accepted, probs, probs.view(np.int32),
                    overlap=True)
     return accepted, ()

@@ -10,6 +10,7 @@ import weakref
 import numpy as np
 
 from nanoeuler_core import registry
+from nanoeuler_core.inference.constraint import fill_masks
 from nanoeuler_core.inference.decoder.forward import DECODE_OPS, DecodeForward
 from nanoeuler_core.inference.decoder.kv_cache import KVCache
 from nanoeuler_core.inference.decoder.pipeline import StepInFlight, StepLauncher
@@ -25,10 +26,10 @@ class Decoder:
     """Batched decoding of `batch_size` rows of one model on its backend: plain (speculative=False),
     speculative with every head (True), or the policy's widths (None; SpeculationPolicy); a batch
     of prompts at once (`generate`), or rows that start and end on their own (`admit`, `step`,
-    `retire`). `sampling` is the rows' sampling where `generate` is not told another; `weights`
-    "bf16" or "fp32" (default: bf16 where the backend and the decoding ops run it); `run_ahead`
-    whether `step` launches the next step before it takes the results of one (default: where the
-    steps are captured).
+    `retire`), each free or held to a grammar (a Constraint: structured outputs). `sampling` is the
+    rows' sampling where `generate` is not told another; `weights` "bf16" or "fp32" (default: bf16
+    where the backend and the decoding ops run it); `run_ahead` whether `step` launches the next
+    step before it takes the results of one (default: where the steps are captured).
 
     Its parts: `cache` (KVCache), `forward` (DecodeForward, reading DecodeWeights), `prefill`
     (Prefill), `launcher` (StepLauncher) and `policy` (SpeculationPolicy)."""
@@ -62,6 +63,7 @@ class Decoder:
         self.prefill = Prefill(model, self.forward, self.cache, capture)
         self.rows: list[Row | None] = [None] * batch_size   # the row decoding in each slot, None where free
         self._in_flight: StepInFlight | None = None          # the step launched, its results not yet taken
+        self.masks = np.full(self.cache.mask.shape, -1, dtype=np.int32)   # the rows' token masks, host side
         # counted over the decoder's life (DecodeStats)
         self.steps = self.speculative_steps = self.row_steps = self.proposed = self.accepted = 0
 
@@ -73,17 +75,19 @@ class Decoder:
     # rows: admitted, stepped, retired
 
     def admit(self, b: int, prompt: list[int], seed: int, sampling: Sampling, max_new_tokens: int,
-              eos_id: int | None = None, on_token=None) -> Row:
+              eos_id: int | None = None, on_token=None, constraint=None) -> Row:
         """Start the free row b on `prompt` (token ids, 1 <= length <= ctx_len) with its own seed and
         sampling, up to max_new_tokens new tokens or the first eos_id (not included): its cache is
         prefilled and its first token kept. on_token(b, token) sees each token as it is kept, here
-        and in later steps. Returns the row's progress (Row)."""
+        and in later steps. `constraint` (inference/constraint.py), if given, holds every token to
+        its grammar, and the row ends where the grammar does. Returns the row's progress (Row)."""
         if self.rows[b] is not None:
             raise ValueError(f"row {b} is in use: retire it first")
         if not 1 <= len(prompt) <= self.cfg.ctx_len:
             raise ValueError(f"a prompt must have 1 to {self.cfg.ctx_len} tokens, got {len(prompt)}")
         self._settle()   # the next step computes this row too: no step in flight may be left without it
-        row = self.rows[b] = Row(b, list(prompt), max_new_tokens, eos_id, on_token, sampling.temperature == 0)
+        row = self.rows[b] = Row(b, list(prompt), max_new_tokens, eos_id, on_token, sampling.temperature == 0,
+                                 constraint)
         if row.active:
             self.cache.start_row(b, seed, sampling)
             if not row.greedy:   # its proposals must be drawn at the width its steps will have
@@ -105,6 +109,7 @@ class Decoder:
             active = self.active_rows()
             if not active:
                 return
+            self._constrain(active)
             n = self._rows_computed(active)
             W = self.choose_width(n)
             fresh = min(W, self.cache.width) - 1   # proposals the rows drew at this width or wider (the rest are stale)
@@ -127,6 +132,9 @@ class Decoder:
             raise ValueError(f"row {b} is free already")
         row.active = False
         self.cache.free_row(b)
+        if row.constraint is not None:   # a free row allows every token
+            self.masks[b] = -1
+            self.be.copy_(self.cache.mask[b:b + 1], self.masks[b:b + 1])
         return row
 
     def active_rows(self) -> list[Row]:
@@ -138,12 +146,29 @@ class Decoder:
         return [b for b, row in enumerate(self.rows) if row is None]
 
     def choose_width(self, n: int) -> int:
-        """The width of the next step over rows 0..n-1, the policy's for the active rows."""
+        """The width of the next step over rows 0..n-1, the policy's for the active rows; 1 while a
+        row is held to a grammar (its mask allows the next token only: proposals after it are unchecked)."""
+        if self._constrained():
+            return 1
         return self.policy.width(n, all(row.greedy for row in self.active_rows()))
+
+    def _constrained(self) -> bool:
+        """Whether an active row is held to a grammar."""
+        return any(row.constraint is not None for row in self.active_rows())
+
+    def _constrain(self, rows: list[Row]) -> None:
+        """The masks of the rows among `rows` held to a grammar (the tokens it allows next) to the
+        device, with those of the rows below them (every bit set where free)."""
+        held = [(row.constraint, row.b) for row in rows if row.constraint is not None]
+        if held:
+            fill_masks(held, self.masks)
+            n = 1 + max(b for _, b in held)
+            self.be.copy_(self.cache.mask[:n], self.masks[:n])
 
     def _fill(self, row: Row, ids: list[int]) -> None:
         """Prefill the row's cache with `ids` (its prompt, or the last half context of its tokens)
         and keep its next token."""
+        self._constrain([row])
         self.prefill.fill(row.b, ids, len(row.new))
         row.position = len(ids)
         row.keep(self.cache.pending[row.b, :1])
@@ -155,9 +180,10 @@ class Decoder:
     def _may_run_ahead(self, launched: StepInFlight) -> bool:
         """Whether the step after `launched`, which is in flight, may be launched before its results
         are taken: the decoder runs ahead, the next step would compute the same rows at the same
-        width anyway, no row needs its window slid before it, and some row can still take tokens."""
+        width anyway, no row needs its window slid before it, some row can still take tokens, and no
+        row is held to a grammar (its next mask needs the token in flight)."""
         active = self.active_rows()
-        if not self.run_ahead or not active:
+        if not self.run_ahead or not active or self._constrained():
             return False
         n, W = launched.n, launched.width
         if self._rows_computed(active) != n or self.choose_width(n) != W:
@@ -259,11 +285,13 @@ class Decoder:
     # a batch of prompts to the end
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int], eos_id: int | None = None,
-                 on_token=None, stats: DecodeStats | None = None, sampling: Sampling | None = None) -> list[list[int]]:
+                 on_token=None, stats: DecodeStats | None = None, sampling: Sampling | None = None,
+                 constraints: list | None = None) -> list[list[int]]:
         """New tokens for each prompt (token ids, 1 <= length <= ctx_len), up to max_new_tokens per
-        row or the first eos_id (not included), row i with seeds[i] and `sampling` (default: the
-        decoder's). on_token(row, token) sees each token as it is kept. A greedy call of the policy
-        first measures the steps (`measure`) if they were not yet."""
+        row or the first eos_id (not included), row i with seeds[i], `sampling` (default: the
+        decoder's) and constraints[i] (default: none; see `admit`). on_token(row, token) sees each
+        token as it is kept. A greedy call of the policy first measures the steps (`measure`) if
+        they were not yet."""
         if len(prompts) != self.batch or len(seeds) != self.batch:
             raise ValueError(f"this decoder takes {self.batch} prompts and seeds, got {len(prompts)} and {len(seeds)}")
         if self.free_rows() != list(range(self.batch)):
@@ -280,7 +308,8 @@ class Decoder:
                 self.measure()
             try:
                 for b, (prompt, seed) in enumerate(zip(prompts, seeds)):
-                    rows.append(self.admit(b, prompt, seed, sampling, max_new_tokens, eos_id, on_token))
+                    rows.append(self.admit(b, prompt, seed, sampling, max_new_tokens, eos_id, on_token,
+                                           constraints[b] if constraints else None))
                 while any(row.active for row in rows):
                     self.step()
             finally:   # whatever happened (an error, Ctrl-C), the rows are free for the next call

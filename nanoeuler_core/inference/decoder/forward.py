@@ -62,7 +62,7 @@ class DecodeForward:
 
     def sample(self, x, B: int, T: int, state):
         """Heads 0..W-1 on x (B*T, C), W the width of `state` (KVCache.state: tokens, drafts, seeds,
-        counters, pos and the sampling settings of B rows), then the sample op on them: the
+        counters, pos, the sampling settings and the token masks of B rows), then the sample op on them: the
         accepted counts (B,)."""
         f, cfg, W = self.f, self.cfg, state[0].shape[1]
         logits, _ = f.norm_linear.forward(x, self.w.norm, *self.w.heads_of(W), eps=cfg.norm_eps)

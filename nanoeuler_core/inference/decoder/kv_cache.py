@@ -19,6 +19,7 @@ class KVCache:
         counters        (B,) int64     the index of tokens[b, 0] among the row's new tokens
         pos             (B,) int64     where tokens[b, 0] goes in the cache (S: a free row, never attended)
         temperature, top_k, top_p (B,) the row's sampling (backend floats, int64, float64)
+        mask            (B, ceil(V / 32)) int32   the tokens the row may produce next (every bit: any)
 
     and on the host `pending` (B, K), each row's next token (kept already) and proposals, from
     which the token block is laid out again when the width changes."""
@@ -34,6 +35,8 @@ class KVCache:
         self.temperature, self.top_k, self.top_p = be.zeros((B,)), be.zeros((B,), dtype=np.int64), \
             be.zeros((B,), dtype=np.float64)
         be.copy_(self.top_p, np.ones(B))
+        self.mask = be.zeros((B, (cfg.vocab_size + 31) // 32), dtype=np.int32)   # 32 tokens a word
+        be.copy_(self.mask, np.full(self.mask.shape, -1, dtype=np.int32))
         self.width = K                                     # tokens per row in the token block
         self.pending = np.zeros((B, K), dtype=np.int64)
         self._row_states = {}                              # (row, width) -> `state` of that row
@@ -53,12 +56,12 @@ class KVCache:
 
     def state(self, first: int, n: int, W: int) -> tuple:
         """The sample op's state of rows first..first+n-1 at width W: tokens (n, W), drafts (n, W - 1, V),
-        seeds, counters, pos and the sampling settings (n,)."""
+        seeds, counters, pos and the sampling settings (n,), the masks (n, ceil(V / 32))."""
         rows = slice(first, first + n)
         tokens = self.tokens[first * W:(first + n) * W].reshape(n, W)
         drafts = self.drafts[first * (W - 1):(first + n) * (W - 1)].reshape(n, W - 1, self.cfg.vocab_size)
         return (tokens, drafts) + tuple(a[rows] for a in (self.seeds, self.counters, self.pos, self.temperature,
-                                                            self.top_k, self.top_p))
+                                                            self.top_k, self.top_p, self.mask))
 
     def row_state(self, b: int, W: int) -> tuple:
         """`state` of row b alone at width W, its views made once."""

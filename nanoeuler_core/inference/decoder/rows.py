@@ -24,35 +24,45 @@ class Sampling:
 
 class Row:
     """One row's progress on the host: its tokens so far (prompt included), the new ones, where the
-    next fed token goes in the cache, whether it decodes greedily, and whether it goes on
-    (`finish_reason` says why not)."""
+    next fed token goes in the cache, whether it decodes greedily, the grammar it is held to (a
+    Constraint, or None), and whether it goes on (`finish_reason` says why not)."""
 
-    def __init__(self, b: int, prompt: list[int], max_new_tokens: int, eos_id, on_token, greedy: bool):
+    def __init__(self, b: int, prompt: list[int], max_new_tokens: int, eos_id, on_token, greedy: bool,
+                 constraint=None):
         self.b, self.sequence, self.new = b, prompt, []
         self.position = len(prompt)   # where the next fed token goes in the cache
         self.active = max_new_tokens > 0
         self.max_new_tokens, self.eos_id, self.on_token, self.greedy = max_new_tokens, eos_id, on_token, greedy
-        self.ended_at_eos = False
+        self.constraint = constraint
+        self.end_ids = {eos_id, None if constraint is None else constraint.eos_id} - {None}
+        self.stopped = False
 
     @property
     def finish_reason(self) -> str | None:
-        """"stop" (it reached eos_id), "length" (max_new_tokens), or None (still decoding, or retired before either)."""
-        if self.ended_at_eos:
+        """"stop" (it reached an end token, or its grammar's end), "length" (max_new_tokens), or None
+        (still decoding, or retired before either)."""
+        if self.stopped:
             return "stop"
         return "length" if len(self.new) >= self.max_new_tokens else None
 
     def keep(self, tokens) -> None:
-        """Append the tokens decoded for this row, up to `</s>` or the token budget."""
+        """Append the tokens decoded for this row, up to `</s>` (or the end of its grammar) or the
+        token budget."""
         for token in tokens.tolist():
             if not self.active:
                 return
-            if token == self.eos_id:
-                self.active, self.ended_at_eos = False, True
+            if token in self.end_ids:
+                self.active, self.stopped = False, True
                 return
+            if self.constraint is not None:
+                self.constraint.accept(token)
             self.new.append(token)
             self.sequence.append(token)
             if self.on_token is not None:
                 self.on_token(self.b, token)
+            if self.constraint is not None and self.constraint.complete:
+                self.active, self.stopped = False, True
+                return
             if len(self.new) == self.max_new_tokens:
                 self.active = False
                 return
