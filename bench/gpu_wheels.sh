@@ -9,7 +9,7 @@
 # np.row_stack, which 2.5 removed). docs/gpu-setup.md says what each wheel is for.
 set -euo pipefail
 cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
-specs=("numpy==2.4.6" "numba==0.68.1" "numba-cuda==0.30.4" "nvmath-python==1.0.0" "orjson" "starlette==1.10.0" "uvicorn==0.54.0" "gguf==0.19.0" "pyyaml==6.0.3")
+specs=("numpy==2.4.6" "numba==0.68.1" "numba-cuda==0.30.4" "nvmath-python==1.0.0" "orjson" "starlette==1.10.0" "uvicorn==0.54.0" "gguf==0.19.0" "pyyaml==6.0.3" "llguidance==1.9.1" "prometheus_client==0.26.0")
 if [ "${1:-}" = "--dist" ]; then
     shift
     specs+=("mpich==5.0.2" "mpi4py==4.1.2" "nccl4py==0.6.0" "cuda-core==1.2.2" "cuda-pathfinder==1.9.1")
@@ -17,7 +17,7 @@ fi
 specs+=("$@")
 mkdir -p .whl   # ignored by git (.gitignore)
 platforms=()
-for p in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux_2_5 manylinux1; do
+for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux_2_5 manylinux1; do
     platforms+=(--platform "${p}_x86_64")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
