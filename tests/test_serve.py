@@ -23,11 +23,13 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
+from cycle_model import cycle_trained
 from finetune_helpers import make_base_run
 from nanoeuler_core.cli import app as cli_app
 from nanoeuler_core.cli.serve import listen
 from nanoeuler_core.eval import hellaswag, text_loss
 from nanoeuler_core.inference.chat import chat
+from nanoeuler_core.inference.decoder import Decoder, Sampling
 from nanoeuler_core.inference.generate import generate
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.inference.template import ChatTemplate
@@ -36,7 +38,7 @@ from nanoeuler_core.serving.protocol import token_name
 from nanoeuler_core.serving.server import DrainingServer
 from nanoeuler_core.text.tokenizer import Tokenizer
 from test_chat import CHATML
-from test_generate import count_running_ahead
+from test_generate import CYCLE_CFG, count_running_ahead
 
 openai = pytest.importorskip("openai")
 
@@ -441,6 +443,26 @@ def test_generated_logprobs_are_the_models_log_softmax(alpaca_run, model_tok, sp
                 assert choice.text[offset:offset + len(name)] == name
         if speculative:
             assert app.state.scheduler.decoder.speculative_steps > 0
+
+
+@pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(0.9)])
+def test_rows_keep_logprobs_through_accepted_proposals(sampling):
+    """A row that asks keeps each token's log-probability under head 0 at its place, also where a
+    speculative step keeps several tokens (the cycle-trained model's proposals are accepted): its
+    logprobs and top tokens are the log-softmax of the model's forward; a row that does not ask
+    keeps none."""
+    model = cycle_trained(CYCLE_CFG)
+    decoder = Decoder(model, 2, speculative=True)
+    prompt = [1, 2, 3]
+    row = decoder.admit(0, prompt, 5, sampling, 18, None, None, top_logprobs=4)
+    other = decoder.admit(1, [4], 6, sampling, 18)
+    while row.active or other.active:
+        decoder.step()
+    assert decoder.accepted > 0 and len(row.logprobs) == len(row.new) == 18 and other.logprobs == []
+    expected = log_softmax(model.forward(np.array([prompt + row.new[:-1]]))[0, len(prompt) - 1:])
+    np.testing.assert_allclose([e.logprob for e in row.logprobs], expected[np.arange(18), row.new], atol=1e-4)
+    for entry, logp in zip(row.logprobs, expected):
+        assert [k for k, _ in entry.top] == list(np.argsort(-logp, kind="stable")[:4])
 
 
 def test_chat_and_streamed_logprobs(client):
