@@ -28,16 +28,30 @@ def serve(
     template: Optional[str] = typer.Option(None, help=CHAT_TEMPLATE_HELP),
     speculative: Optional[bool] = typer.Option(None, "--speculative/--no-speculative", help=SPECULATIVE_HELP),
     decode_weights: Optional[str] = typer.Option(None, help=DECODE_WEIGHTS_HELP),
+    api_key: Optional[str] = typer.Option(None, envvar="NANOEULER_API_KEY", show_envvar=True,
+                                          help="require \"Authorization: Bearer KEY\" on /v1/* (/, /health and "
+                                               "/metrics stay open)"),
+    max_request_bytes: int = typer.Option(1 << 20, help="the largest request body taken (HTTP 413 past it)"),
+    request_timeout: Optional[float] = typer.Option(None, help="seconds a request may take from its arrival: then "
+                                                               "it ends (HTTP 504, or a stream's error event)"),
+    shutdown_grace: float = typer.Option(30.0, help="seconds running requests get to finish on SIGTERM or Ctrl-C"),
 ) -> None:
     """Serve the model in RUN_DIR: an OpenAI-compatible API (POST /v1/completions and
-    /v1/chat/completions, streamed or not; GET /v1/models, /health) and a chat page at /. Concurrent
-    requests share one batched decoder (continuous batching). Ctrl-C stops it."""
+    /v1/chat/completions, streamed or not, with log-probabilities; GET /v1/models, /health,
+    /metrics) and a chat page at /. Concurrent requests share one batched decoder (continuous
+    batching). SIGTERM or Ctrl-C stops it: new requests get 503, running ones finish within
+    --shutdown-grace seconds (a second Ctrl-C stops at once)."""
     import uvicorn
 
-    from nanoeuler_core.serving.app import ServedModel, create_app
+    from nanoeuler_core.serving.app import Operations, ServedModel, create_app
+    from nanoeuler_core.serving.server import DrainingServer
 
     if max_batch is not None and max_batch < 1 or max_queue < 0:
         raise ValueError(f"--max-batch must be at least 1 and --max-queue at least 0, got {max_batch} and {max_queue}")
+    if max_request_bytes < 1 or (request_timeout is not None and request_timeout <= 0) or shutdown_grace < 0:
+        raise ValueError(f"--max-request-bytes and --request-timeout must be positive and --shutdown-grace at least 0, "
+                         f"got {max_request_bytes}, {request_timeout} and {shutdown_grace}")
+    operations = Operations(api_key or None, max_request_bytes, request_timeout, shutdown_grace)
     model, tok = load_model(run_dir, backend)
     chat_template = ChatTemplate.for_run(run_dir, template)
     if max_batch is None:  # many rows per step pay where a step over many tokens costs about one over a few
@@ -45,16 +59,16 @@ def serve(
     name = Path(run_dir).resolve().name
     created = int((Path(run_dir) / "config.json").stat().st_mtime)
     app = create_app(ServedModel(model, tok, name, chat_template, created), max_batch, max_queue, speculative,
-                     decode_weights)
+                     decode_weights, operations)
     sock = listen(host, port)
     address = sock.getsockname()
     url = f"http://{host if ':' not in host else f'[{host}]'}:{address[1]}"
     chat = f"chat in {chat_template.name}" if chat_template else "no chat template (completions only)"
+    key = "API key required on /v1" if operations.api_key else "no API key"
     typer.echo(f"serving {run_dir} as model {name!r} on {url} (chat page at {url}/, API at {url}/v1): "
-               f"{max_batch} rows, {MODES[speculative]} decoding on {backend}, {chat}",
+               f"{max_batch} rows, {MODES[speculative]} decoding on {backend}, {chat}, {key}",
                err=True)
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    DrainingServer(app, uvicorn.Config(app, log_level="info")).run(sockets=[sock])
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -6,8 +6,9 @@ Fields read: model (optional; another id is a 404), max_tokens (completions: def
 max_completion_tokens too, default until the end of the turn, at most one context), temperature
 (0..2, default 1; 0 = greedy), top_p (0..1, default 1; 0 = greedy), n (each choice a row of its
 own, seed + index), stop (up to 4 strings, not included in the text), seed (random if absent),
-stream, stream_options, echo (completions), response_format (structured outputs: `_response_format`);
-and two of vLLM's extensions: top_k (0 or -1 = off) and ignore_eos (decode past the end-of-text or
+stream, stream_options, echo (completions), logprobs (completions: 0..5 most likely tokens; chat:
+true, with top_logprobs 0..20), response_format (structured outputs: `_response_format`); and two
+of vLLM's extensions: top_k (0 or -1 = off) and ignore_eos (decode past the end-of-text or
 end-of-turn token, to max_tokens: load tests).
 Other fields are ignored, as OpenAI does; a field of the wrong type or out of range is a 400.
 
@@ -18,6 +19,8 @@ is a 400 only if its last message alone does not fit.
 
 from __future__ import annotations
 
+import codecs
+import functools
 import secrets
 import time
 import uuid
@@ -30,10 +33,11 @@ from nanoeuler_core.inference.constraint import response_grammar
 from nanoeuler_core.inference.decoder import MAX_SEED, Sampling
 from nanoeuler_core.inference.generate import prompt_ids
 from nanoeuler_core.inference.template import ChatTemplate
-from nanoeuler_core.serving.scheduler import Done
+from nanoeuler_core.serving.scheduler import Done, Prompt, Text
 
 MAX_STOP = 4                  # stop strings per request, as OpenAI allows
 COMPLETION_MAX_TOKENS = 16    # OpenAI's default for /v1/completions
+MAX_LOGPROBS = {False: 5, True: 20}   # most likely tokens per token, as OpenAI allows: completions, chat
 
 
 class ApiError(Exception):
@@ -74,6 +78,7 @@ class GenerationRequest:
     include_usage: bool      # stream_options.include_usage
     ignore_eos: bool
     grammar: str | None      # response_format's (inference/constraint.py), None: free text
+    top_logprobs: int | None   # log-probabilities with this many most likely tokens; None: none
 
     @property
     def sampling(self) -> Sampling:
@@ -91,6 +96,11 @@ class CompletionRequest(GenerationRequest):
     prompt: list[list[int]]
     prompt_text: list[str]
     echo: bool
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """The prompt's log-probabilities are asked for with echo and logprobs."""
+        return self.top_logprobs if self.echo else None
 
 
 @dataclass(kw_only=True)
@@ -181,6 +191,7 @@ def _shared_fields(body: dict, limits: Limits, chat: bool) -> dict:
     seed = _field(body, "seed", (int,), None, "an integer")
     options = _field(body, "stream_options", (dict,), {}, "an object")
     return {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+            "top_logprobs": _logprobs(body, chat),
             "n": n, "stop": stop, "seed": secrets.randbelow(MAX_SEED) if seed is None else seed % MAX_SEED,
             "stream": _field(body, "stream", (bool,), False, "a boolean"),
             "ignore_eos": _field(body, "ignore_eos", (bool,), False, "a boolean"),
@@ -196,6 +207,21 @@ def _response_format(body: dict) -> str | None:
         return response_grammar(_field(body, "response_format", (dict,), None, "an object"))
     except ValueError as exc:
         raise ApiError(str(exc), param="response_format") from None
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many most likely tokens to give with each token's log-probability (None: no logprobs):
+    completions' logprobs (an integer), chat's top_logprobs where logprobs is true."""
+    most = MAX_LOGPROBS[chat]
+    if chat:
+        wanted = _field(body, "logprobs", (bool,), False, "a boolean")
+        top = _field(body, "top_logprobs", (int,), None, "an integer")
+        _check(top is None or wanted, "top_logprobs needs logprobs: true", "top_logprobs")
+        name, top = "top_logprobs", (top or 0) if wanted else None
+    else:
+        name, top = "logprobs", _field(body, "logprobs", (int,), None, "an integer")
+    _check(top is None or 0 <= top <= most, f"{name} must be between 0 and {most}, got {top}", name)
+    return top
 
 
 def _prompts(prompt, tok, ctx: int) -> tuple[list[list[int]], list[str]]:
@@ -287,17 +313,37 @@ def _context_code(exc: ValueError) -> str | None:
 
 class Responses:
     """The response objects of one request: text completions or chat completions, whole or in
-    chunks; `echo` holds each prompt's text where a completion request says echo."""
+    chunks; `echo` holds each prompt's text where a completion request says echo, `prompts` its
+    token ids, and `tok` names the tokens of the log-probabilities (where asked for).
 
-    def __init__(self, model: str, chat: bool, n: int, echo: list[str]):
-        self.model, self.chat, self.n, self.echo = model, chat, n, echo
+    Log-probabilities go by entries (offset of the token's text in the choice's text, token id,
+    TokenLogprob or None: a prompt's first token has none)."""
+
+    def __init__(self, model: str, chat: bool, n: int, echo: list[str], prompts: list[list[int]], tok):
+        self.model, self.chat, self.n, self.echo, self.prompt_ids, self.tok = model, chat, n, echo, prompts, tok
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.prompts: dict[int, list] = {}   # prompt index -> its tokens' entries (echo with logprobs)
 
     def _head(self, chunk: bool) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def prompt(self, event: Prompt) -> None:
+        """A prompt's log-probabilities, which its choices begin with (echo)."""
+        ids = self.prompt_ids[event.index]
+        self.prompts[event.index] = list(zip(_text_offsets(self.tok, ids), ids, event.logprobs))
+
+    def entries(self, index: int, event: Text | None = None) -> list | None:
+        """The entries a piece of choice `index` carries (`event`), or without an event, those of its
+        echoed prompt; None where log-probabilities are not asked for."""
+        if event is None:
+            return self.prompts.get(index // self.n)
+        if not event.logprobs:
+            return None
+        shift = len(self.echo[index // self.n]) if self.echo else 0
+        return [(shift + offset, entry.token, entry) for offset, entry in event.logprobs]
 
     def opening(self, index: int) -> dict | None:
         """The first chunk of a choice: the assistant's role (chat), or the echoed prompt."""
@@ -306,28 +352,71 @@ class Responses:
                       "finish_reason": None}
             return {**self._head(True), "choices": [choice]}
         if self.echo:
-            return self.chunk(index, self.echo[index // self.n])
+            return self.chunk(index, self.echo[index // self.n], None, self.entries(index))
         return None
 
-    def chunk(self, index: int, text: str, finish_reason: str | None = None) -> dict:
+    def chunk(self, index: int, text: str, finish_reason: str | None = None, entries: list | None = None) -> dict:
+        logprobs = self.logprobs(entries) if entries else None
         if self.chat:
-            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head(True), "choices": [choice]}
 
     def usage_chunk(self, done: Done) -> dict:
         return {**self._head(True), "choices": [], "usage": _usage(done)}
 
-    def whole(self, texts: dict[int, str], reasons: dict[int, str], done: Done) -> dict:
+    def whole(self, texts: dict[int, str], reasons: dict[int, str], entries: dict[int, list] | None,
+              done: Done) -> dict:
+        """The whole response; `entries`: each choice's (None: log-probabilities not asked for)."""
+        logprobs = {i: None if entries is None else self.logprobs(entries[i]) for i in texts}
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
+            choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": logprobs[i],
                         "finish_reason": reasons[i]} for i in sorted(texts)]
         else:
-            choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
+            choices = [{"index": i, "text": texts[i], "logprobs": logprobs[i], "finish_reason": reasons[i]}
                        for i in sorted(texts)]
         return {**self._head(False), "choices": choices, "usage": _usage(done)}
+
+    def logprobs(self, entries: list) -> dict:
+        """OpenAI's logprobs object of a choice's tokens: chat's {"content": [...]}, or completions'
+        {"tokens", "token_logprobs", "top_logprobs", "text_offset"} (each token's top_logprobs
+        holding the token itself too, as OpenAI's do)."""
+        if self.chat:
+            return {"content": [{**self._token(token, entry.logprob),
+                                 "top_logprobs": [self._token(k, lp) for k, lp in entry.top]}
+                                for _, token, entry in entries]}
+        name = functools.partial(token_name, self.tok)
+        tops = [None if entry is None else {name(k): lp for k, lp in (*entry.top, (token, entry.logprob))}
+                for _, token, entry in entries]
+        return {"tokens": [name(token) for _, token, _ in entries],
+                "token_logprobs": [None if entry is None else entry.logprob for _, _, entry in entries],
+                "top_logprobs": tops, "text_offset": [offset for offset, _, _ in entries]}
+
+    def _token(self, token: int, logprob: float) -> dict:
+        """Chat's token object: its text, log-probability and bytes."""
+        return {"token": token_name(self.tok, token), "logprob": logprob, "bytes": list(self.tok.token_bytes(token))}
+
+
+def token_name(tok, token: int) -> str:
+    """A token as text: its bytes decoded, or where they are not whole UTF-8 characters OpenAI's
+    "bytes:\\xe2\\x80" form."""
+    raw = tok.token_bytes(token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _text_offsets(tok, ids: list[int]) -> list[int]:
+    """Where each token's text begins in the text of `ids`, in characters (a token that ends inside a
+    character, and the one that completes it, begin where that character does)."""
+    decoder, offsets, length = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], 0
+    for token in ids:
+        offsets.append(length)
+        length += len(decoder.decode(tok.token_bytes(token)))
+    return offsets
 
 
 def _usage(done: Done) -> dict:

@@ -22,10 +22,17 @@ last choice has a row. A job with a grammar (structured outputs) holds each choi
 
 How events reach the jobs is `scheduler.deliver`'s business: it is called on the scheduler's thread
 with the events of one step, [(job, event), ...], and by default hands each to job.emit right away;
-a server sets it to pass them all to its event loop at once. Events a job receives, in order: Text(index, text, finish_reason) pieces of each
-choice's text, the last one of a choice with its finish_reason, then Done(prompt_tokens,
-completion_tokens); or Failed(message) (the server is shutting down, or decoding failed), after
-which nothing more comes.
+a server sets it to pass them all to its event loop at once. Events a job receives, in order:
+Prompt(index, logprobs) per prompt where the job asks for the prompt's log-probabilities; Text(index,
+text, finish_reason, logprobs) pieces of each choice's text, the last one of a choice with its
+finish_reason, then Done(prompt_tokens, completion_tokens); or Failed(message) (the server is
+shutting down, or decoding failed), after which nothing more comes.
+
+Log-probabilities: a job with `logprobs` (a count of most likely tokens) decodes its choices in
+rows that bring their logits to the host (Decoder.admit's top_logprobs); each Text carries the
+TokenLogprob of the tokens whose text begins in it (at the end: every token whose text begins
+before a stop string). A job with `prompt_logprobs` has its prompts scored as `nanoeuler-run eval`
+scores text (Model.token_logprobs), on this thread, before its choices wait for rows.
 """
 
 from __future__ import annotations
@@ -37,8 +44,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from nanoeuler_core.inference.constraint import Constraint
 from nanoeuler_core.inference.decoder import Decoder, Sampling
+from nanoeuler_core.inference.decoder.rows import TokenLogprob, token_logprobs
 from nanoeuler_core.inference.generate import TextStream
 
 log = logging.getLogger("nanoeuler.serving")
@@ -55,10 +65,21 @@ class ShuttingDown(Exception):
 @dataclass(frozen=True)
 class Text:
     """More of choice `index`'s text (whole characters, never a stop string nor what may begin one);
-    with a finish_reason, its last: "stop" (its end token or a stop string) or "length" (max_tokens)."""
+    with a finish_reason, its last: "stop" (its end token or a stop string) or "length" (max_tokens).
+    Where the job asks for logprobs: the tokens whose text begins in this piece, each as (where its
+    text begins in the choice's text, its TokenLogprob)."""
     index: int
     text: str
     finish_reason: str | None = None
+    logprobs: tuple[tuple[int, TokenLogprob], ...] = ()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The log-probabilities of prompt `index`'s tokens given the tokens before them (None for the
+    first), as `nanoeuler-run eval` scores them; where the job asks (prompt_logprobs)."""
+    index: int
+    logprobs: list[TokenLogprob | None]
 
 
 @dataclass(frozen=True)
@@ -86,7 +107,9 @@ class Job:
     stop: list[str]                  # strings that end a choice's text (not included in it)
     eos_id: int | None               # the token that ends a choice (not included)
     emit: Callable[[object], None]   # receives the job's events, where `Scheduler.deliver` hands them over
-    grammar: str | None = None       # each choice's text is JSON of this grammar (inference/constraint.py)
+    logprobs: int | None = None          # the choices' tokens' log-probabilities, with this many most likely
+    prompt_logprobs: int | None = None   # the prompts' tokens' log-probabilities, with this many most likely
+    grammar: str | None = None           # each choice's text is JSON of this grammar (inference/constraint.py)
     choices_left: int = field(init=False, default=0)
     waiting: int = field(init=False, default=0)     # choices without a row yet
     closed: bool = field(init=False, default=False)  # done, failed or cancelled: no more events
@@ -107,10 +130,14 @@ class _Choice:
         self.stream = TextStream(tok, self._add_text)
         self.text, self.sent, self.tokens = "", 0, 0
         self.stopped = False        # a stop string was found: the text ends before it
+        self.scored: list[tuple[int, TokenLogprob]] = []   # (where its text begins, its TokenLogprob)
+        self.scored_sent = 0
 
-    def add_token(self, token: int) -> None:
+    def add_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
         if not self.stopped:
             self.tokens += 1
+            if logprob is not None:
+                self.scored.append((len(self.text), logprob))
             self.stream.add(token)
 
     def _add_text(self, piece: str) -> None:
@@ -121,8 +148,9 @@ class _Choice:
         if hits:
             self.text, self.stopped = self.text[:min(hits)], True
 
-    def unsent(self, final: bool = False) -> str:
-        """The text not sent yet, less (unless final) a tail that a stop string may start with."""
+    def unsent(self, final: bool = False) -> tuple[str, tuple]:
+        """The text not sent yet, less (unless final) a tail that a stop string may start with; and
+        the scored tokens whose text begins in it (`Text.logprobs`)."""
         if final and not self.stopped:
             self.stream.finish()
         end = len(self.text)
@@ -130,7 +158,14 @@ class _Choice:
             end -= max((k for s in self.job.stop for k in range(min(len(s) - 1, end - self.sent), 0, -1)
                         if self.text.endswith(s[:k])), default=0)
         piece, self.sent = self.text[self.sent:end], end
-        return piece
+        return piece, self._unsent_logprobs(end, final and not self.stopped)
+
+    def _unsent_logprobs(self, end: int, all_left: bool) -> tuple:
+        """The scored tokens not sent yet whose text begins before `end` (all of them with all_left)."""
+        last = len(self.scored) if all_left else \
+            next((i for i in range(self.scored_sent, len(self.scored)) if self.scored[i][0] >= end), len(self.scored))
+        tokens, self.scored_sent = tuple(self.scored[self.scored_sent:last]), last
+        return tokens
 
 
 class Scheduler:
@@ -150,6 +185,7 @@ class Scheduler:
         self._closing = False
         self._started, self._start_error = threading.Event(), None
         self._outbox: list[tuple[Job, object]] = []   # events of the current step, for `deliver`
+        self.prefix_cache_hits = 0    # prompt tokens whose keys and values a prefix cache gave (GET /metrics)
         self.deliver: Callable[[list[tuple[Job, object]]], None] = emit_each
         self._thread = threading.Thread(target=self._run, name="nanoeuler-scheduler", daemon=True)
 
@@ -179,6 +215,11 @@ class Scheduler:
     def cancel(self, job: Job) -> None:
         """Stop `job` (its client went away): its waiting choices leave the queue, its rows are freed."""
         self._inbox.put(("cancel", job))
+
+    def drain(self) -> None:
+        """Take no more jobs (ShuttingDown); those submitted go on to their end."""
+        with self._lock:
+            self._closing = True
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Take no more jobs, fail the ones still running, and stop the thread."""
@@ -244,6 +285,18 @@ class Scheduler:
     def _enqueue(self, job: Job) -> None:
         job.choices_left = job.waiting = job.choices
         self._waiting.extend(_Choice(job, i, self.tok) for i in range(job.choices))
+        self._score_prompts(job)
+
+    def _score_prompts(self, job: Job) -> None:
+        """A Prompt event per prompt of a job that asks for its prompts' log-probabilities."""
+        if job.prompt_logprobs is None:
+            return
+        try:
+            for i, ids in enumerate(job.prompts):
+                self._outbox.append((job, Prompt(i, prompt_logprobs(self.decoder.model, ids, job.prompt_logprobs))))
+        except Exception:   # as a failed decoding step: this job fails, the server goes on
+            log.exception("scoring a prompt failed")
+            self._fail(job, "scoring the prompt failed on the server (see its log)")
 
     def _admit(self) -> None:
         """Start waiting choices in the free rows, lowest first."""
@@ -253,7 +306,8 @@ class Scheduler:
             job = choice.job
             self._rows[b] = choice
             self.decoder.admit(b, choice.prompt, job.seed + choice.index, job.sampling, job.max_tokens, job.eos_id,
-                               lambda _, token, choice=choice: choice.add_token(token), self._constraint(job))
+                               lambda b, token, choice=choice: choice.add_token(token, self._latest_logprob(b)),
+                               self._constraint(job), job.logprobs)
             job.waiting -= 1
             if job.waiting == 0:
                 self._dequeued()
@@ -269,19 +323,25 @@ class Scheduler:
         for b, choice in list(self._rows.items()):
             row, job = self.decoder.rows[b], choice.job
             done = choice.stopped or not row.active
-            piece = choice.unsent(final=done)
+            piece, logprobs = choice.unsent(final=done)
             if not done:
-                if piece:
-                    self._outbox.append((job, Text(choice.index, piece)))
+                if piece or logprobs:
+                    self._outbox.append((job, Text(choice.index, piece, None, logprobs)))
                 continue
             self.decoder.retire(b)
             del self._rows[b]
-            self._outbox.append((job, Text(choice.index, piece, "stop" if choice.stopped else row.finish_reason)))
+            reason = "stop" if choice.stopped else row.finish_reason
+            self._outbox.append((job, Text(choice.index, piece, reason, logprobs)))
             job.completion_tokens += choice.tokens
             job.choices_left -= 1
             if job.choices_left == 0:
                 job.closed = True
                 self._outbox.append((job, Done(sum(len(p) for p in job.prompts), job.completion_tokens)))
+
+    def _latest_logprob(self, b: int) -> TokenLogprob | None:
+        """The TokenLogprob of row b's latest token, where its job asks for them."""
+        row = self.decoder.rows[b]
+        return row.logprobs[-1] if row.top_logprobs is not None else None
 
     def _drop(self, job: Job) -> None:
         """Remove every trace of `job`: waiting choices and rows."""
@@ -311,3 +371,18 @@ def emit_each(events: list[tuple[Job, object]]) -> None:
     """Hand each event to its job (Scheduler.deliver's default, and what a server's event loop runs)."""
     for job, event in events:
         job.emit(event)
+
+
+def prompt_logprobs(model, ids: list[int], top: int) -> list[TokenLogprob | None]:
+    """Each token of `ids` given those before it (None for the first): its log-probability as
+    `nanoeuler-run eval` scores text (Model.token_logprobs: eval/text_loss.py, eval/hellaswag.py),
+    and the `top` most likely tokens from the model's logits, the token itself (where among them)
+    with that same log-probability, so that it compares equal to the token's own."""
+    if len(ids) < 2:
+        return [None] * len(ids)
+    inputs, targets = np.array([ids[:-1]]), np.array([ids[1:]])
+    scored = model.token_logprobs(inputs, targets)[0]
+    tops = [entry.top for entry in token_logprobs(model.forward(inputs)[0], ids[1:], top)] if top else \
+        [()] * len(scored)
+    return [None] + [TokenLogprob(t, float(lp), tuple((k, float(lp) if k == t else v) for k, v in best))
+                     for t, lp, best in zip(ids[1:], scored, tops)]

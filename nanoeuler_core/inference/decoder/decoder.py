@@ -75,19 +75,21 @@ class Decoder:
     # rows: admitted, stepped, retired
 
     def admit(self, b: int, prompt: list[int], seed: int, sampling: Sampling, max_new_tokens: int,
-              eos_id: int | None = None, on_token=None, constraint=None) -> Row:
+              eos_id: int | None = None, on_token=None, constraint=None, top_logprobs: int | None = None) -> Row:
         """Start the free row b on `prompt` (token ids, 1 <= length <= ctx_len) with its own seed and
         sampling, up to max_new_tokens new tokens or the first eos_id (not included): its cache is
         prefilled and its first token kept. on_token(b, token) sees each token as it is kept, here
         and in later steps. `constraint` (inference/constraint.py), if given, holds every token to
-        its grammar, and the row ends where the grammar does. Returns the row's progress (Row)."""
+        its grammar, and the row ends where the grammar does. With `top_logprobs` (a count), the row
+        keeps each new token's TokenLogprob (`Row.logprobs`, before on_token sees it): only such a
+        row's logits come to the host. Returns the row's progress (Row)."""
         if self.rows[b] is not None:
             raise ValueError(f"row {b} is in use: retire it first")
         if not 1 <= len(prompt) <= self.cfg.ctx_len:
             raise ValueError(f"a prompt must have 1 to {self.cfg.ctx_len} tokens, got {len(prompt)}")
         self._settle()   # the next step computes this row too: no step in flight may be left without it
         row = self.rows[b] = Row(b, list(prompt), max_new_tokens, eos_id, on_token, sampling.temperature == 0,
-                                 constraint)
+                                 constraint, top_logprobs)
         if row.active:
             self.cache.start_row(b, seed, sampling)
             if not row.greedy:   # its proposals must be drawn at the width its steps will have
@@ -114,11 +116,11 @@ class Decoder:
             W = self.choose_width(n)
             fresh = min(W, self.cache.width) - 1   # proposals the rows drew at this width or wider (the rest are stale)
             self._set_width(W)
-            self._in_flight = StepInFlight(n, W, fresh, active, self.launcher.launch(n, W))
+            self._in_flight = StepInFlight(n, W, fresh, active, *self.launcher.launch(n, W))
         launched, ahead = self._in_flight, None
         if self._may_run_ahead(launched):   # the same step again, every proposal it judges drawn at its width
             ahead = StepInFlight(launched.n, launched.width, launched.width - 1, self.active_rows(),
-                                 self.launcher.launch(launched.n, launched.width))
+                                 *self.launcher.launch(launched.n, launched.width))
         self._in_flight = ahead   # before collecting: should on_token raise, `_settle` still finds the step ahead
         self._collect(launched)
 
@@ -171,7 +173,7 @@ class Decoder:
         self._constrain([row])
         self.prefill.fill(row.b, ids, len(row.new))
         row.position = len(ids)
-        row.keep(self.cache.pending[row.b, :1])
+        row.keep(self.cache.pending[row.b, :1], self._head_logits(row, self.prefill.logits, 0, 1))
 
     def _rows_computed(self, active: list[Row]) -> int:
         """n of a step over the active rows: rows 0..n-1, a power of two covering them."""
@@ -210,8 +212,17 @@ class Decoder:
         pending = self.cache.pending
         for row, m in zip(rows, counts):
             row.position += m
-            row.keep(np.concatenate((pending[row.b, 1:m], tokens[row.b, :1])))
+            # its kept proposals, then its next token: token j drawn from head 0 at fed token j
+            row.keep(np.concatenate((pending[row.b, 1:m], tokens[row.b, :1])),
+                     self._head_logits(row, launched.logits, row.b * W, m))
             pending[row.b, :W] = tokens[row.b]
+
+    def _head_logits(self, row: Row, logits, first: int, m: int) -> np.ndarray | None:
+        """Head 0's logits (m, V) at rows first..first+m-1 of a step's `logits` (.., W*V), on the
+        host: only for a row that wants log-probabilities (None for the others)."""
+        if row.top_logprobs is None:
+            return None
+        return np.asarray(self.be.to_host(logits[first:first + m]))[:, :self.cfg.vocab_size]
 
     def _settle(self) -> None:
         """Collect the step in flight, if any: the host then holds what the device holds, before it

@@ -17,10 +17,11 @@ class DecodeForward:
     def __init__(self, model, ops, w):
         self.f, self.cfg, self.be, self.w = ops, model.cfg, model.backend, w
 
-    def step(self, cache, n: int, W: int, box) -> None:
+    def step(self, cache, n: int, W: int, box):
         """One decoding step of rows 0..n-1 at width W from the buffers of `cache` (KVCache), which
         it advances; the accepted counts go to box[:n] and the next tokens to box[B:B + n*W], B the
-        cache's rows (`box`: a mailbox the host reads).
+        cache's rows (`box`: a mailbox the host reads). Returns the logits (n*W, W*V), which a row
+        that wants log-probabilities reads.
 
             ids = the token block   (n*W,)    each row's next token and W - 1 proposals
             embedding               -> x (n*W, C)
@@ -37,11 +38,12 @@ class DecodeForward:
                                     proposals into the token block, advance pos and counters -> accepted (n,)
         """
         x = self.hidden(cache.tokens[:n * W], n, W, cache.kv_rows(n), cache.pos[:n])
-        accepted = self.sample(x, n, W, cache.state(0, n, W))
+        accepted, logits = self.sample(x, n, W, cache.state(0, n, W))
         B = cache.batch
         if W > 1:   # at width 1 every row keeps its one token
             self.be.copy_(box[:n], accepted)
         self.be.copy_(box[B:B + n * W], cache.tokens[:n * W])
+        return logits
 
     def hidden(self, ids, B: int, T: int, kv, pos):
         """Token ids (B*T,) at positions pos[b] + t -> the last block's output (B*T, C); their keys
@@ -63,9 +65,9 @@ class DecodeForward:
     def sample(self, x, B: int, T: int, state):
         """Heads 0..W-1 on x (B*T, C), W the width of `state` (KVCache.state: tokens, drafts, seeds,
         counters, pos, the sampling settings and the token masks of B rows), then the sample op on them: the
-        accepted counts (B,)."""
+        accepted counts (B,) and the logits (B*T, W*V)."""
         f, cfg, W = self.f, self.cfg, state[0].shape[1]
         logits, _ = f.norm_linear.forward(x, self.w.norm, *self.w.heads_of(W), eps=cfg.norm_eps)
         accepted, _ = f.sample.forward(logits.reshape(B, T, W, cfg.vocab_size), *state, max_pos=cfg.ctx_len)
-        return accepted
+        return accepted, logits
 

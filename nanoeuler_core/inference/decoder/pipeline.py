@@ -16,13 +16,15 @@ class StepInFlight:
     """A step launched on the backend whose results the host has not taken yet: it computes rows
     0..n-1 at `width`, judges `fresh` proposals drawn at that width (the rest are stale), and was
     launched for `rows` (those active then); `results()` gives its accepted counts (n,) and next
-    tokens (n, width) on the host, waiting for the step if it has not run yet."""
+    tokens (n, width) on the host, waiting for the step if it has not run yet; `logits` (n*width,
+    width*V) on the backend, which no later step overwrites before the one after next is launched."""
 
     n: int
     width: int
     fresh: int
     rows: list
     results: Callable[[], tuple[np.ndarray, np.ndarray]]
+    logits: object
 
 
 class StepLauncher:
@@ -40,19 +42,20 @@ class StepLauncher:
         self.replays = {}        # (rows computed, width, mailbox) -> the captured step
         self._next_mailbox = 0   # the mailbox the next step launched writes
 
-    def launch(self, n: int, W: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+    def launch(self, n: int, W: int) -> tuple[Callable[[], tuple[np.ndarray, np.ndarray]], object]:
         """Launch one step of rows 0..n-1 at width W; returns what gives its accepted counts (n,) and
-        next tokens (n, W) on the host, once the step has run. At most the step before it may be in
-        flight, its results not yet taken: the two write different mailboxes."""
+        next tokens (n, W) on the host, once the step has run, and its logits on the backend. At most
+        the step before it may be in flight, its results not yet taken: the two write different
+        mailboxes (and, captured, different logits)."""
         mailbox = self._next_mailbox
         self._next_mailbox ^= 1
         replay = self.replays.get((n, W, mailbox))
         if replay is None:
             step = functools.partial(self.forward.step, self.cache, n, W, self.mailboxes[mailbox][0])
-            replay, _ = self.be.capture(step) if self.capture else (step, step())
+            replay, logits = self.be.capture(step) if self.capture else (step, step())
             self.replays[(n, W, mailbox)] = replay
         else:
-            replay()
+            logits = replay()
         ran, box, B = self.be.read_back([]), self.mailboxes[mailbox][1], self.cache.batch
 
         def results():
@@ -60,9 +63,9 @@ class StepLauncher:
             kept = box[:n].copy() if W > 1 else np.ones(n, dtype=np.int64)
             return kept, box[B:B + n * W].reshape(n, W).copy()
 
-        return results
+        return results, logits
 
     def run(self, n: int, W: int) -> tuple[np.ndarray, np.ndarray]:
         """Run one step of rows 0..n-1 at width W and wait for it: its accepted counts (n,) and next
         tokens (n, W) on the host."""
-        return self.launch(n, W)()
+        return self.launch(n, W)[0]()

@@ -21,6 +21,7 @@ class Prefill:
         self.model, self.forward, self.cache, self.be, self.capture = model, forward, cache, model.backend, capture
         self._runs = {}           # prefill length -> its ids buffer, its (captured) forward
         self._cache_views = {}    # (row, prefill length) -> the forward's output, `_cache_pairs`
+        self.logits = None        # the last row's first-token logits (1, W*V), on the backend
 
     @property
     def captures(self) -> bool:
@@ -78,7 +79,7 @@ class Prefill:
         counters, pos = state[3:5]
         be.copy_(pos, np.array([T - 1], dtype=np.int64))
         be.copy_(counters, np.array([generated - 1], dtype=np.int64))
-        self.forward.sample(last, 1, 1, state)
+        _, self.logits = self.forward.sample(last, 1, 1, state)
         cache.pending[b, :cache.width] = np.array(be.to_host(state[0]))[0]
 
     def _cache_pairs(self, b: int, keys_values, out) -> list[tuple]:

@@ -1,9 +1,12 @@
 """The host's side of decoding: how a row's tokens are chosen (Sampling), a row's progress (Row),
-and what a generation did (DecodeStats)."""
+the log-probabilities of its tokens where asked for (TokenLogprob), and what a generation did
+(DecodeStats)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 MAX_SEED = 2**62          # row seeds live in [0, MAX_SEED) (the sample op's RNG key)
 
@@ -22,13 +25,40 @@ class Sampling:
         return float(self.temperature), int(self.top_k or 0), float(1.0 if self.top_p is None else self.top_p)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's distribution (head 0's float32 log-softmax,
+    before temperature, top-k and top-p), and the `top` most likely tokens with theirs, most
+    likely first: ((token, logprob), ...)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: np.ndarray, tokens, top: int) -> list[TokenLogprob]:
+    """Each tokens[i]'s TokenLogprob from logits[i] (V,) with the `top` most likely tokens."""
+    z = np.asarray(logits, dtype=np.float32)
+    peak = z.max(axis=-1, keepdims=True)
+    logp = z - (peak + np.log(np.exp(z - peak).sum(axis=-1, keepdims=True)))
+    top = min(top, logp.shape[-1])
+    result = []
+    for t, row in zip(tokens, logp):
+        best = np.argpartition(-row, top - 1)[:top] if top else np.zeros(0, dtype=np.int64)
+        best = best[np.lexsort((best, -row[best]))]   # most likely first, ties by token id
+        result.append(TokenLogprob(int(t), float(row[t]), tuple((int(k), float(row[k])) for k in best)))
+    return result
+
+
 class Row:
     """One row's progress on the host: its tokens so far (prompt included), the new ones, where the
     next fed token goes in the cache, whether it decodes greedily, the grammar it is held to (a
-    Constraint, or None), and whether it goes on (`finish_reason` says why not)."""
+    Constraint, or None), and whether it goes on (`finish_reason` says why not); where
+    `top_logprobs` is not None, each new token's TokenLogprob with that many most likely tokens, in
+    `logprobs`."""
 
     def __init__(self, b: int, prompt: list[int], max_new_tokens: int, eos_id, on_token, greedy: bool,
-                 constraint=None):
+                 constraint=None, top_logprobs: int | None = None):
         self.b, self.sequence, self.new = b, prompt, []
         self.position = len(prompt)   # where the next fed token goes in the cache
         self.active = max_new_tokens > 0
@@ -36,6 +66,7 @@ class Row:
         self.constraint = constraint
         self.end_ids = {eos_id, None if constraint is None else constraint.eos_id} - {None}
         self.stopped = False
+        self.top_logprobs, self.logprobs = top_logprobs, []
 
     @property
     def finish_reason(self) -> str | None:
@@ -45,10 +76,11 @@ class Row:
             return "stop"
         return "length" if len(self.new) >= self.max_new_tokens else None
 
-    def keep(self, tokens) -> None:
+    def keep(self, tokens, logits=None) -> None:
         """Append the tokens decoded for this row, up to `</s>` (or the end of its grammar) or the
-        token budget."""
-        for token in tokens.tolist():
+        token budget; `logits` (host, (len(tokens), V)): the head-0 logits each was drawn from, where
+        the row wants logprobs."""
+        for i, token in enumerate(tokens.tolist()):
             if not self.active:
                 return
             if token in self.end_ids:
@@ -58,6 +90,8 @@ class Row:
                 self.constraint.accept(token)
             self.new.append(token)
             self.sequence.append(token)
+            if self.top_logprobs is not None:
+                self.logprobs += token_logprobs(logits[i:i + 1], [token], self.top_logprobs)
             if self.on_token is not None:
                 self.on_token(self.b, token)
             if self.constraint is not None and self.constraint.complete:
