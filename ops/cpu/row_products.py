@@ -100,11 +100,10 @@ def matmul_rows(x, w, out, threads):
 # (q, scale, zero) as nanoeuler_core/quantized.py lays them out, times x rounded to 8 bits by
 # blocks of 32 (quantized.round_activations). `round_rows` makes each row of x int8 values and a
 # scale d per block, once per product; a tile of 4 outputs then multiplies each block of 32 as
-# integers (lanes.py's dots: 8 lanes of sums of 4 products), makes the lanes float once, scales
-# them by the block's d into the group's lanes and those by the group's scale into the output's
-# lanes, summed once at the end. int4's offset adds zero * (the group's sum of x as rounded). The
+# integers (lanes.py's dots: 8 lanes of sums of 4 products), makes the lanes float once and adds
+# them, times the block's d and its group's scale (one multiply-add), into the output's lanes,
+# summed once at the end. int4's offset adds zero * (the group's sum of x as rounded). The
 # tile at the end of an odd count recomputes the last output in its spare places.
-
 
 
 @njit(inline="always")
@@ -152,8 +151,8 @@ def _group_sums(xq, d, sums):
 @njit(cache=True)
 def _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
     # out[n, o:o+4] = x[n] @ w[o:o+4].T, w[o, k] = scale[o, k // group] * q[o, k], x[n, k] =
-    # d[n, k // 32] * xq[n, k]. A group goes block by block; a part of a block (groups that are not
-    # whole blocks, a row's shorter last block) goes through a scalar integer sum
+    # d[n, k // 32] * xq[n, k]: scale * d times each block's integer products; a part of a block
+    # (groups that are not whole blocks, a row's shorter last block) goes through a scalar integer sum
     K = xq.shape[1]
     groups = scale.shape[1]
     group = K // groups
@@ -163,8 +162,6 @@ def _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
     r0 = r1 = r2 = r3 = np.float32(0.0)
     for j in range(groups):
         prefetch(scale, (o + 4 * PREFETCH_TILES) * groups + 4 * j)   # the tile ahead's scales, 4 a group
-        p0 = p1 = p2 = p3 = zero_lanes
-        s0 = s1 = s2 = s3 = np.float32(0.0)
         k, end = j * group, (j + 1) * group
         while k < end:
             b = k // QBLOCK
@@ -174,11 +171,10 @@ def _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
                 prefetch(q, ahead)
                 prefetch(q, ahead + 64)
                 xb = load_bytes(xq, n * K + k)
-                db = splat(d[n, b])
-                p0 = db * int8_dot(load_bytes(q, o0 * K + k), xb) + p0
-                p1 = db * int8_dot(load_bytes(q, o1 * K + k), xb) + p1
-                p2 = db * int8_dot(load_bytes(q, o2 * K + k), xb) + p2
-                p3 = db * int8_dot(load_bytes(q, o3 * K + k), xb) + p3
+                a0 = splat(scale[o0, j] * d[n, b]) * int8_dot(load_bytes(q, o0 * K + k), xb) + a0
+                a1 = splat(scale[o1, j] * d[n, b]) * int8_dot(load_bytes(q, o1 * K + k), xb) + a1
+                a2 = splat(scale[o2, j] * d[n, b]) * int8_dot(load_bytes(q, o2 * K + k), xb) + a2
+                a3 = splat(scale[o3, j] * d[n, b]) * int8_dot(load_bytes(q, o3 * K + k), xb) + a3
             else:
                 i0 = i1 = i2 = i3 = 0
                 for i in range(k, stop):
@@ -186,19 +182,11 @@ def _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
                     i1 += q[o1, i] * xq[n, i]
                     i2 += q[o2, i] * xq[n, i]
                     i3 += q[o3, i] * xq[n, i]
-                s0 += d[n, b] * np.float32(i0)
-                s1 += d[n, b] * np.float32(i1)
-                s2 += d[n, b] * np.float32(i2)
-                s3 += d[n, b] * np.float32(i3)
+                r0 += scale[o0, j] * d[n, b] * np.float32(i0)
+                r1 += scale[o1, j] * d[n, b] * np.float32(i1)
+                r2 += scale[o2, j] * d[n, b] * np.float32(i2)
+                r3 += scale[o3, j] * d[n, b] * np.float32(i3)
             k = stop
-        a0 = splat(scale[o0, j]) * p0 + a0
-        a1 = splat(scale[o1, j]) * p1 + a1
-        a2 = splat(scale[o2, j]) * p2 + a2
-        a3 = splat(scale[o3, j]) * p3 + a3
-        r0 += scale[o0, j] * s0
-        r1 += scale[o1, j] * s1
-        r2 += scale[o2, j] * s2
-        r3 += scale[o3, j] * s3
     out[n, o0] = total(a0) + r0
     out[n, o1] = total(a1) + r1
     out[n, o2] = total(a2) + r2
@@ -208,8 +196,8 @@ def _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
 @njit(cache=True)
 def _int4_tile(xq, d, x_sums, q, scale, zero, out, n, o):
     # out[n, o:o+4] = x[n] @ w[o:o+4].T, w[o, k] = scale[o, j] * nibble[o, k] + zero[o, j] (j = k // group),
-    # x[n, k] = d[n, k // 32] * xq[n, k]: per group, scale times the d-scaled integer products of its
-    # blocks plus zero times x_sums[n, j] (the group's sum of x)
+    # x[n, k] = d[n, k // 32] * xq[n, k]: scale * d times each block's integer products, plus zero
+    # times x_sums[n, j] (the group's sum of x) a group
     K = xq.shape[1]
     groups = scale.shape[1]
     half, per_group = K // 2, K // groups // QBLOCK
@@ -217,23 +205,21 @@ def _int4_tile(xq, d, x_sums, q, scale, zero, out, n, o):
     zero_lanes = splat(np.float32(0.0))
     a0 = a1 = a2 = a3 = zero_lanes
     r0 = r1 = r2 = r3 = np.float32(0.0)
-    for j in range(groups):
+    j, left = 0, per_group   # the blocks' group, and its blocks from b on
+    for b in range(K // QBLOCK):
         ahead = (o + 4 * PREFETCH_TILES) * groups + 4 * j   # the tile ahead's scales and offsets, 4 a group
         prefetch(scale, ahead)
         prefetch(zero, ahead)
-        p0 = p1 = p2 = p3 = zero_lanes
-        for b in range(j * per_group, (j + 1) * per_group):
-            prefetch(q, (o + 4 * PREFETCH_TILES) * half + 64 * b)   # and its weights, 64 bytes a block
-            xb = load_bytes(xq, n * K + QBLOCK * b)
-            db = splat(d[n, b])
-            p0 = db * nibble_dot(load_nibble_block(q, o0 * half + 16 * b), xb) + p0
-            p1 = db * nibble_dot(load_nibble_block(q, o1 * half + 16 * b), xb) + p1
-            p2 = db * nibble_dot(load_nibble_block(q, o2 * half + 16 * b), xb) + p2
-            p3 = db * nibble_dot(load_nibble_block(q, o3 * half + 16 * b), xb) + p3
-        a0 = splat(scale[o0, j]) * p0 + a0
-        a1 = splat(scale[o1, j]) * p1 + a1
-        a2 = splat(scale[o2, j]) * p2 + a2
-        a3 = splat(scale[o3, j]) * p3 + a3
+        prefetch(q, (o + 4 * PREFETCH_TILES) * half + 64 * b)   # and its weights, 64 bytes a block
+        xb = load_bytes(xq, n * K + QBLOCK * b)
+        a0 = splat(scale[o0, j] * d[n, b]) * nibble_dot(load_nibble_block(q, o0 * half + 16 * b), xb) + a0
+        a1 = splat(scale[o1, j] * d[n, b]) * nibble_dot(load_nibble_block(q, o1 * half + 16 * b), xb) + a1
+        a2 = splat(scale[o2, j] * d[n, b]) * nibble_dot(load_nibble_block(q, o2 * half + 16 * b), xb) + a2
+        a3 = splat(scale[o3, j] * d[n, b]) * nibble_dot(load_nibble_block(q, o3 * half + 16 * b), xb) + a3
+        left -= 1
+        if left == 0:
+            j, left = j + 1, per_group
+    for j in range(groups):
         r0 += zero[o0, j] * x_sums[n, j]
         r1 += zero[o1, j] * x_sums[n, j]
         r2 += zero[o2, j] * x_sums[n, j]
