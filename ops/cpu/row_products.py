@@ -100,9 +100,9 @@ def matmul_rows(x, w, out, threads):
 # (q, scale, zero) as nanoeuler_core/quantized.py lays them out, times x rounded to 8 bits by
 # blocks of 32 (quantized.round_activations). `round_rows` makes each row of x int8 values and a
 # scale d per block, once per product; a tile of 4 outputs then multiplies each block of 32 as
-# integers (lanes.py's dots: 8 lanes of sums of 4 products), makes the lanes float once and adds
-# them, times the block's d and its group's scale (one multiply-add), into the output's lanes,
-# summed once at the end. int4's offset adds zero * (the group's sum of x as rounded). The
+# integers (lanes.py's dots: 8 lanes of sums of 4 products), makes the lanes float once, adds them
+# times the block's d into the group's lanes and those times the group's scale into the output's
+# lanes, summed once at the end. int4's offset adds zero * (the group's sum of x as rounded). The
 # tile at the end of an odd count recomputes the last output in its spare places.
 
 
@@ -150,9 +150,8 @@ def _group_sums(xq, d, sums):
 
 @njit(cache=True)
 def _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
-    # out[n, o:o+4] = x[n] @ w[o:o+4].T, w[o, k] = scale[o, k // group] * q[o, k], x[n, k] =
-    # d[n, k // 32] * xq[n, k]: scale * d times each block's integer products; a part of a block
-    # (groups that are not whole blocks, a row's shorter last block) goes through a scalar integer sum
+    # _blocks_tile for int8 groups that are not whole blocks (and rows whose last block is shorter):
+    # scale * d times each whole block's dot, the parts of blocks through scalar integer sums
     K = xq.shape[1]
     groups = scale.shape[1]
     group = K // groups
@@ -193,33 +192,53 @@ def _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
     out[n, o3] = total(a3) + r3
 
 
+def _weights_dot(q, o, b, xb):
+    """Lanes: block b of row o of q (int8, or int4 nibbles) times the int8 activations xb (lanes.py's dots)."""
+
+
+@overload(_weights_dot)
+def _weights_dot_of(q, o, b, xb):
+    if q.dtype == types.uint8:
+        return lambda q, o, b, xb: nibble_dot(load_nibble_block(q, o * q.shape[1] + (QBLOCK // 2) * b), xb)
+    return lambda q, o, b, xb: int8_dot(load_bytes(q, o * q.shape[1] + QBLOCK * b), xb)
+
+
 @njit(cache=True)
-def _int4_tile(xq, d, x_sums, q, scale, zero, out, n, o):
-    # out[n, o:o+4] = x[n] @ w[o:o+4].T, w[o, k] = scale[o, j] * nibble[o, k] + zero[o, j] (j = k // group),
-    # x[n, k] = d[n, k // 32] * xq[n, k]: scale * d times each block's integer products, plus zero
-    # times x_sums[n, j] (the group's sum of x) a group
+def _blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o):
+    # out[n, o:o+4] = x[n] @ w[o:o+4].T for groups of whole blocks, int8 or int4: w[o, k] = scale[o, j]
+    # * q[o, k] (+ zero[o, j] in int4; j = k // group), x[n, k] = d[n, k // 32] * xq[n, k]: d times
+    # each block's integer products into the group's lanes, those times scale into the output's, then
+    # zero times x_sums[n, j] (the group's sum of x) a group
     K = xq.shape[1]
-    groups = scale.shape[1]
-    half, per_group = K // 2, K // groups // QBLOCK
+    row, blocks, groups = q.shape[1], K // QBLOCK, scale.shape[1]   # row: bytes of a row of q
+    per_group = blocks // groups
     o0, o1, o2, o3 = _tile_rows(o, out.shape[1])
     zero_lanes = splat(np.float32(0.0))
-    a0 = a1 = a2 = a3 = zero_lanes
+    a0 = a1 = a2 = a3 = p0 = p1 = p2 = p3 = zero_lanes   # the outputs' lanes, their group's lanes
     r0 = r1 = r2 = r3 = np.float32(0.0)
     j, left = 0, per_group   # the blocks' group, and its blocks from b on
-    for b in range(K // QBLOCK):
+    for b in range(blocks):
         ahead = (o + 4 * PREFETCH_TILES) * groups + 4 * j   # the tile ahead's scales and offsets, 4 a group
         prefetch(scale, ahead)
-        prefetch(zero, ahead)
-        prefetch(q, (o + 4 * PREFETCH_TILES) * half + 64 * b)   # and its weights, 64 bytes a block
+        prefetch(zero, ahead)   # (a hint: int8's empty offsets are never read)
+        ahead = (o + 4 * PREFETCH_TILES) * row + 4 * (row // blocks) * b   # and its weights, 64 or 128 bytes a block
+        prefetch(q, ahead)
+        prefetch(q, ahead + 64)
         xb = load_bytes(xq, n * K + QBLOCK * b)
-        a0 = splat(scale[o0, j] * d[n, b]) * nibble_dot(load_nibble_block(q, o0 * half + 16 * b), xb) + a0
-        a1 = splat(scale[o1, j] * d[n, b]) * nibble_dot(load_nibble_block(q, o1 * half + 16 * b), xb) + a1
-        a2 = splat(scale[o2, j] * d[n, b]) * nibble_dot(load_nibble_block(q, o2 * half + 16 * b), xb) + a2
-        a3 = splat(scale[o3, j] * d[n, b]) * nibble_dot(load_nibble_block(q, o3 * half + 16 * b), xb) + a3
+        db = splat(d[n, b])
+        p0 = db * _weights_dot(q, o0, b, xb) + p0
+        p1 = db * _weights_dot(q, o1, b, xb) + p1
+        p2 = db * _weights_dot(q, o2, b, xb) + p2
+        p3 = db * _weights_dot(q, o3, b, xb) + p3
         left -= 1
-        if left == 0:
+        if left == 0:   # the group's end: its lanes times its scale
+            a0 = splat(scale[o0, j]) * p0 + a0
+            a1 = splat(scale[o1, j]) * p1 + a1
+            a2 = splat(scale[o2, j]) * p2 + a2
+            a3 = splat(scale[o3, j]) * p3 + a3
+            p0 = p1 = p2 = p3 = zero_lanes
             j, left = j + 1, per_group
-    for j in range(groups):
+    for j in range(zero.shape[1]):
         r0 += zero[o0, j] * x_sums[n, j]
         r1 += zero[o1, j] * x_sums[n, j]
         r2 += zero[o2, j] * x_sums[n, j]
@@ -231,13 +250,20 @@ def _int4_tile(xq, d, x_sums, q, scale, zero, out, n, o):
 
 
 def _tile(xq, d, x_sums, q, scale, zero, out, n, o):
-    """_int8_tile or _int4_tile, chosen by q's dtype when a kernel is compiled."""
+    """_blocks_tile, or for int8 groups that are not whole blocks _int8_tile."""
 
 
 @overload(_tile)
 def _tile_of(xq, d, x_sums, q, scale, zero, out, n, o):
-    kernel = _int4_tile if q.dtype == types.uint8 else _int8_tile
-    return lambda xq, d, x_sums, q, scale, zero, out, n, o: kernel(xq, d, x_sums, q, scale, zero, out, n, o)
+    if q.dtype == types.uint8:   # int4 groups are whole blocks
+        return lambda xq, d, x_sums, q, scale, zero, out, n, o: _blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o)
+
+    def int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
+        if (xq.shape[1] // scale.shape[1]) % QBLOCK == 0:
+            _blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o)
+        else:
+            _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o)
+    return int8_tile
 
 
 @njit(cache=True)
