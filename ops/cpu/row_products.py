@@ -220,7 +220,8 @@ def _blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o):
     for b in range(blocks):
         ahead = (o + 4 * PREFETCH_TILES) * groups + 4 * j   # the tile ahead's scales and offsets, 4 a group
         prefetch(scale, ahead)
-        prefetch(zero, ahead)   # (a hint: int8's empty offsets are never read)
+        if zero.shape[1]:   # (int8's offsets are empty: no address to ask for)
+            prefetch(zero, ahead)
         ahead = (o + 4 * PREFETCH_TILES) * row + 4 * (row // blocks) * b   # and its weights, 64 or 128 bytes a block
         prefetch(q, ahead)
         prefetch(q, ahead + 64)
