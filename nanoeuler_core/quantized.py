@@ -92,7 +92,7 @@ def weight_format(q, scale, zero) -> tuple[str, int, int]:
     ValueError, one line, for arrays that are not one."""
     O = q.shape[0]
     if q.ndim == 2 and scale.ndim == 2 and zero.ndim == 2 and scale.shape[0] == O == zero.shape[0] and scale.shape[1]:
-        fmt = {"int8": "int8", "uint8": "int4"}.get(str(q.dtype))
+        fmt = {np.int8: "int8", np.uint8: "int4"}.get(q.dtype.type)   # (not str(dtype): slow, every product)
         K = q.shape[1] * (2 if fmt == "int4" else 1)
         groups = scale.shape[1]
         if fmt and K % groups == 0 and zero.shape[1] == (groups if fmt == "int4" else 0):

@@ -33,16 +33,6 @@ def op_inputs(name, rng, N, C, O, fmt, group, zero_point=True):
     return (normal((N, C)), 1 + np.float32(0.1) * normal(C), *w), {"eps": 1e-5}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def numba_threads_started():
-    """The CPU's norm_linear and norm_swiglu call their threaded quantized product from a cached
-    compiled function, which does not start Numba's threads: the first threaded call of a process
-    (tests/conftest.py's NANOEULER_PIN_THREADS=0 starts none before) crashes there. linear_residual
-    calls it from Python, which starts them."""
-    inputs, attrs = op_inputs("linear_residual", np.random.default_rng(0), 1, 64, 1, "int8", 0)
-    run("linear_residual", inputs, attrs, "cpu")
-
-
 def run(name, inputs, attrs, backend, precision="fp32"):
     """The op's output on `backend`, the scales and offsets float32 in every precision."""
     return run_backend(registry.op(name), backend, inputs, attrs, precision=precision, float32_inputs=(3, 4))[0][0]

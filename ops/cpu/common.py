@@ -80,8 +80,13 @@ def exp32(x):
 # (`threads_for`) and gives them up after. Numba's own set_num_threads, called from a kernel,
 # makes it uncacheable (it holds a ctypes function); these call the same functions of Numba's
 # threading layer by the names it gives them (its parallel loops read the count the same way),
-# resolved when a kernel is linked. The layer registers them once its threads start.
-numba.get_num_threads()   # starts Numba's threads
+# resolved when a kernel is linked. The layer registers them, and its parallel loops' own entry
+# points, when it starts, so it starts here, at import, before any kernel is loaded. Numba starts
+# it when it compiles a parallel kernel or loads one from its cache, but a cached kernel that
+# reaches a parallel one through another compiled function (norm_linear's, calling the threaded
+# quantized product) keeps no record that it must: loaded as a process's first parallel code, it
+# would call unresolved addresses and crash.
+numba.get_num_threads()   # starts Numba's threading layer
 _get_num_threads = types.ExternalFunction("get_num_threads", types.intc())
 _set_num_threads = types.ExternalFunction("set_num_threads", types.void(types.intc))
 

@@ -1,27 +1,30 @@
-"""Eight float32 lanes as one value, for kernels whose inner loops LLVM does not vectorize by itself.
+"""SIMD values for the quantized products' inner loops: eight float32 lanes (`Lanes`) and 32
+bytes (`Bytes`), with the operations those loops need, emitted as LLVM vector code.
 
-LLVM vectorizes a long dot product well, but not the quantized products' groups of 32 weights,
-each with its own scale: a vectorized loop ends each group with a horizontal sum, and a loop of
-a constant 16 or 32 trips is unrolled and then vectorized along the wrong axis. `Lanes` is LLVM's
-<8 x float> (one AVX register; two SSE or NEON ones elsewhere), so a kernel keeps one vector
-accumulator per output across all its groups and sums the lanes once, at the end:
+LLVM vectorizes a long dot product well, but not a product by blocks of 32 weights, each block
+with its own scale: a vectorized loop ends each block with a horizontal sum. Here a kernel loads
+a block's 32 weights and its 32 activations rounded to int8 as Bytes, multiplies them as integers
+(`int8_dot`, `nibble_dot`: 8 lanes of sums of 4 products, made float once), and keeps one Lanes
+accumulator per output across all its blocks, summing the lanes once, at the end:
 
     acc = splat(np.float32(0))
     for block ...:
-        acc = splat(scale) * (load(x, k) * load_int8(q, k) + ...) + acc
+        acc = splat(d * scale) * int8_dot(load_bytes(q, k), load_bytes(xq, k)) + acc
     out = total(acc)
 
 `*` and `+` on Lanes are lane by lane; a product added right away becomes one fused multiply-add
-where the machine has one (as `contract` allows scalar code). Loads read 8 consecutive elements
-of a C-contiguous array from a flat index (element i of its memory order), unchecked: the caller
+where the machine has one (as `contract` allows scalar code). Loads read consecutive elements of
+a C-contiguous array from a flat index (element i of its memory order), unchecked: the caller
 keeps them inside the array.
 """
 
 import operator
 
+import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.codegen import get_host_cpu_features
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, models, overload, register_model
 
@@ -72,60 +75,6 @@ def splat(typingctx, s):
 
 
 @intrinsic
-def load(typingctx, a, i):
-    """Float32 a[i : i + 8] (flat index) as Lanes."""
-    _check_array(a, types.float32, "load")
-
-    def codegen(context, builder, signature, args):
-        return builder.load(_address(context, builder, signature.args[0], args[0], args[1], _FLOATS), align=4)
-    return Lanes(a, i), codegen
-
-
-@intrinsic
-def store(typingctx, a, i, v):
-    """a[i : i + 8] = v (float32 a, flat index)."""
-    _check_array(a, types.float32, "store")
-
-    def codegen(context, builder, signature, args):
-        builder.store(args[2], _address(context, builder, signature.args[0], args[0], args[1], _FLOATS), align=4)
-        return context.get_dummy_value()
-    return types.none(a, i, Lanes), codegen
-
-
-@intrinsic
-def load_int8(typingctx, a, i):
-    """Int8 a[i : i + 8] (flat index), converted to float32 Lanes."""
-    _check_array(a, types.int8, "load_int8")
-
-    def codegen(context, builder, signature, args):
-        eight = ir.VectorType(ir.IntType(8), WIDTH)
-        return builder.sitofp(builder.load(_address(context, builder, signature.args[0], args[0], args[1], eight),
-                                           align=1), _FLOATS)
-    return Lanes(a, i), codegen
-
-
-@intrinsic
-def load_nibbles(typingctx, a, i):
-    """The 32 nibbles of uint8 a[i : i + 16] (flat index) as four float32 Lanes: the low nibbles of
-    bytes 0-7, of bytes 8-15, then the high nibbles of bytes 0-7 and of bytes 8-15. In a 4-bit
-    block (nanoeuler_core/quantized.py) these are its weights 0-7, 8-15, 16-23 and 24-31."""
-    _check_array(a, types.uint8, "load_nibbles")
-
-    def codegen(context, builder, signature, args):
-        # each 8 bytes widened to 32-bit lanes first, then masked and shifted there: one widening
-        # per 8 bytes (not one per nibble) and no byte shuffles
-        bytes8 = ir.VectorType(ir.IntType(8), WIDTH)
-        words = ir.VectorType(ir.IntType(32), WIDTH)
-        index = args[1]
-        halves = [builder.zext(builder.load(_address(context, builder, signature.args[0], args[0], at, bytes8), align=1), words)
-                  for at in (index, builder.add(index, ir.Constant(index.type, WIDTH)))]
-        low = [builder.and_(h, ir.Constant(words, [15] * WIDTH)) for h in halves]
-        high = [builder.lshr(h, ir.Constant(words, [4] * WIDTH)) for h in halves]
-        return context.make_tuple(builder, signature.return_type, [builder.sitofp(v, _FLOATS) for v in low + high])
-    return types.UniTuple(Lanes, 4)(a, i), codegen
-
-
-@intrinsic
 def total(typingctx, v):
     """The float32 sum of the 8 lanes, always in the same order: ((0+4) + (2+6)) + ((1+5) + (3+7))."""
     if v != Lanes:
@@ -163,6 +112,108 @@ def _overload_mul(a, b):
     if a == Lanes and b == Lanes:
         return lambda a, b: _mul(a, b)
 
+
+# ---------------------------------------------------------------- 8-bit blocks
+# A quantized product multiplies 32 small integers at a time: 32 weights (int8, or 4-bit nibbles)
+# by 32 activations rounded to int8. `Bytes` is LLVM's <32 x i8> (one AVX2 register); the dots
+# give the integer sums of 4 consecutive products each, as 8 float32 lanes (lane l: products
+# 4l..4l+3), exact: no product or sum of 4 leaves int32. With AVX2 they are its 8-bit multiply-adds
+# (vpmaddubsw: unsigned x signed bytes, adjacent pairs summed to int16; vpmaddwd by ones: pairs of
+# those summed to int32; for signed weights vpsignb moves each weight's sign onto its activation
+# first, as llama.cpp does); elsewhere the same sums in generic vector code, chosen once, at import
+# (`_quad_sums`), by the features Numba compiles for.
+
+_BYTES = ir.VectorType(ir.IntType(8), 32)
+_WORDS = ir.VectorType(ir.IntType(32), WIDTH)
+AVX2 = "+avx2" in (numba.config.CPU_FEATURES or get_host_cpu_features()).split(",")
+
+
+class BytesType(types.Type):
+    def __init__(self):
+        super().__init__(name="Bytes")
+
+
+Bytes = BytesType()
+
+
+@register_model(BytesType)
+class _BytesModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _BYTES)
+
+
+@intrinsic
+def load_bytes(typingctx, a, i):
+    """Int8 a[i : i + 32] (flat index) as Bytes."""
+    _check_array(a, types.int8, "load_bytes")
+
+    def codegen(context, builder, signature, args):
+        return builder.load(_address(context, builder, signature.args[0], args[0], args[1], _BYTES), align=1)
+    return Bytes(a, i), codegen
+
+
+@intrinsic
+def load_nibble_block(typingctx, a, i):
+    """The 32 nibbles of uint8 a[i : i + 16] (flat index) as Bytes in a 4-bit block's weight order
+    (nanoeuler_core/quantized.py): the low nibbles of bytes 0-15, then their high nibbles."""
+    _check_array(a, types.uint8, "load_nibble_block")
+
+    def codegen(context, builder, signature, args):
+        sixteen = ir.VectorType(ir.IntType(8), 16)
+        packed = builder.load(_address(context, builder, signature.args[0], args[0], args[1], sixteen), align=1)
+        low = builder.and_(packed, ir.Constant(sixteen, [15] * 16))
+        high = builder.lshr(packed, ir.Constant(sixteen, [4] * 16))
+        return builder.shuffle_vector(low, high, _indices(*range(32)))
+    return Bytes(a, i), codegen
+
+
+def _x86(builder, name, result, *args):
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [a.type for a in args]), name)
+    return builder.call(function, args)
+
+
+def _quad_sums_avx2(builder, weights, x, signed_weights):
+    # <32 x i8> weights, x -> <8 x i32>: vpmaddubsw (weights unsigned: signed ones as |w| times x
+    # with w's sign, vpsignb), then vpmaddwd by ones
+    if signed_weights:
+        weights, x = (_x86(builder, "llvm.abs.v32i8", _BYTES, weights, ir.Constant(ir.IntType(1), 0)),
+                      _x86(builder, "llvm.x86.avx2.psign.b", _BYTES, x, weights))
+    pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(ir.IntType(16), 16), weights, x)
+    return _x86(builder, "llvm.x86.avx2.pmadd.wd", _WORDS, pairs, ir.Constant(pairs.type, [1] * 16))
+
+
+def _quad_sums_portable(builder, weights, x, signed_weights):
+    # the same sums in generic vector code: products widened to int32, every fourth one added
+    wide = ir.VectorType(ir.IntType(32), 32)
+    products = builder.mul(builder.sext(weights, wide) if signed_weights else builder.zext(weights, wide),
+                           builder.sext(x, wide))
+    quads = [builder.shuffle_vector(products, products, _indices(*range(r, 32, 4))) for r in range(4)]
+    return builder.add(builder.add(quads[0], quads[1]), builder.add(quads[2], quads[3]))
+
+
+_quad_sums = _quad_sums_avx2 if AVX2 else _quad_sums_portable
+
+
+def _dot(weights, x, signed_weights):
+    # the typing and code of int8_dot and nibble_dot
+    if weights != Bytes or x != Bytes:
+        raise TypingError(f"a dot needs two Bytes, got {weights}, {x}")
+
+    def codegen(context, builder, signature, args):
+        return builder.sitofp(_quad_sums(builder, *args, signed_weights), _FLOATS)
+    return Lanes(Bytes, Bytes), codegen
+
+
+@intrinsic
+def int8_dot(typingctx, weights, x):
+    """Int8 weights (-127..127) times int8 x, both Bytes: Lanes, lane l the sum of products 4l..4l+3."""
+    return _dot(weights, x, signed_weights=True)
+
+
+@intrinsic
+def nibble_dot(typingctx, nibbles, x):
+    """Nibbles (0..15) times int8 x, both Bytes: Lanes, lane l the sum of products 4l..4l+3."""
+    return _dot(nibbles, x, signed_weights=False)
 
 
 @intrinsic

@@ -1,5 +1,6 @@
 """RMSNorm + linear for decoding on the CPU. See ops/norm_linear.py for the math and
-ops/cpu/row_products.py for how rows stay independent of the batch."""
+ops/cpu/row_products.py for how rows stay independent of the batch; a quantized matrix multiplies
+the normed rows rounded to 8 bits there."""
 
 import numpy as np
 from numba import njit

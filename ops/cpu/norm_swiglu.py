@@ -1,5 +1,6 @@
 """RMSNorm + gate/up projections + SwiGLU for decoding on the CPU. See ops/norm_swiglu.py
-for the math and ops/cpu/row_products.py for how rows stay independent of the batch."""
+for the math and ops/cpu/row_products.py for how rows stay independent of the batch; a quantized
+matrix multiplies the normed rows rounded to 8 bits there."""
 
 import numpy as np
 from numba import njit, prange

@@ -11,12 +11,13 @@ shares its tiles among the threads it is given (the count outside the backend's 
 a decoding step runs on one thread, but its products of a model's size take the threads back);
 a tile's instructions are the same on any thread, so no bit changes.
 
-Quantized matrices (nanoeuler_core/quantized.py) are read as they are stored, in blocks of 32
-weights: int8 widened to float, int4 nibbles unpacked to float, in 8-lane registers (lanes.py),
-each output keeping one accumulator of lanes across its groups and summing the lanes once at the
-end. A product at batch 1 reads its matrix once from memory: each tile asks for the bytes of the
-tile PREFETCH_TILES ahead while it computes, which the processor's own prefetch does not guess
-from 4 rows read side by side.
+Quantized matrices (nanoeuler_core/quantized.py) multiply x rounded to 8 bits by blocks of 32
+(quantized.round_activations), as integers: each row of x becomes int8 values and a scale per
+block once per product, and a block of 32 weights (int8, or int4 nibbles) times its 32 values is
+one round of 8-bit SIMD multiply-adds (lanes.py), its integer sums made float once and scaled by
+the block's scale, the group's sum by the group's scale. A product at batch 1 reads its matrix
+once from memory: each tile asks for the bytes of the tile PREFETCH_TILES ahead while it
+computes, which the processor's own prefetch does not guess from 4 rows read side by side.
 """
 
 import numpy as np
@@ -25,7 +26,7 @@ from numba.extending import overload
 
 from nanoeuler_core.quantized import QBLOCK
 from nanoeuler_ops.cpu.common import REDUCE_FASTMATH, threads_for
-from nanoeuler_ops.cpu.lanes import WIDTH, load, load_int8, load_nibbles, prefetch, splat, store, total
+from nanoeuler_ops.cpu.lanes import int8_dot, load_bytes, load_nibble_block, nibble_dot, prefetch, splat, total
 
 # Multiply-adds of a product from which sharing its outputs among the threads pays for waking them
 # (a few microseconds where the cores are free): at batch 1, every product of SmolLM2-135M (from its
@@ -96,10 +97,12 @@ def matmul_rows(x, w, out, threads):
 
 
 # ---------------------------------------------------------------- quantized weights
-# (q, scale, zero) as nanoeuler_core/quantized.py lays them out. Each output keeps one 8-lane
-# accumulator over its row: a group's products x * q (int8) or x * nibble (int4) are summed in
-# lanes, then scaled into the accumulator (the 4-bit offset as zero times the group's lane sums
-# of x), and the lanes are summed once at the end. Tiles of 4 outputs share the loads of x; the
+# (q, scale, zero) as nanoeuler_core/quantized.py lays them out, times x rounded to 8 bits by
+# blocks of 32 (quantized.round_activations). `round_rows` makes each row of x int8 values and a
+# scale d per block, once per product; a tile of 4 outputs then multiplies each block of 32 as
+# integers (lanes.py's dots: 8 lanes of sums of 4 products), makes the lanes float once, adds them
+# times the block's d into the group's lanes and those times the group's scale into the output's
+# lanes, summed once at the end. int4's offset adds zero * (the group's sum of x as rounded). The
 # tile at the end of an odd count recomputes the last output in its spare places.
 
 
@@ -109,145 +112,192 @@ def _tile_rows(o, O):
     return o, min(o + 1, O - 1), min(o + 2, O - 1), min(o + 3, O - 1)
 
 
-@njit(inline="always")
-def _int8_products(q, qk, x, xk, part):
-    # part + the 32 products x[xk : xk + 32] * q[qk : qk + 32], in lanes
-    return load(x, xk) * load_int8(q, qk) + (load(x, xk + 8) * load_int8(q, qk + 8) + (
-        load(x, xk + 16) * load_int8(q, qk + 16) + (load(x, xk + 24) * load_int8(q, qk + 24) + part)))
+@njit(cache=True)
+def round_rows(x, xq, d):
+    # x (N, K) -> xq (N, K) int8, d (N, blocks): block b of row n (k from 32 b; the last may be
+    # shorter) is d[n, b] * xq[n, k], d = max |x| / 127, xq = rint(x * (127 / max |x|)) in float32
+    # as quantized.round_activations; a NaN or inf in a block makes its d NaN or inf
+    N, K = x.shape
+    for n in range(N):
+        for b in range(d.shape[1]):
+            start, end = b * QBLOCK, min(K, (b + 1) * QBLOCK)
+            amax = np.float32(0.0)
+            for k in range(start, end):
+                a = abs(x[n, k])
+                amax = a if a > amax or a != a else amax
+            inverse = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            for k in range(start, end):
+                xq[n, k] = np.int8(np.rint(x[n, k] * inverse))
+            d[n, b] = amax / np.float32(127.0)
 
 
 @njit(cache=True)
-def _int8_tile(x, x_sums, q, scale, zero, out, n, o):
-    # out[n, o:o+4] = x[n] @ w[o:o+4].T, w[o, k] = scale[o, k // group] * q[o, k]: per group, scale
-    # times the lane sums of x * q; a group's weights past its last whole 32 (groups that are not
-    # whole 32s) go through a scalar sum
-    N, K = x.shape
+def _group_sums(xq, d, sums):
+    # xq (N, K), d (N, blocks) -> sums (N, groups): each group's sum of x as rounded, groups of whole blocks
+    N = xq.shape[0]
+    groups = sums.shape[1]
+    per_group = d.shape[1] // groups
+    for n in range(N):
+        for j in range(groups):
+            s = np.float32(0.0)
+            for b in range(j * per_group, (j + 1) * per_group):
+                block = 0
+                for k in range(b * QBLOCK, (b + 1) * QBLOCK):
+                    block += xq[n, k]
+                s += d[n, b] * np.float32(block)
+            sums[n, j] = s
+
+
+@njit(cache=True)
+def _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
+    # _blocks_tile for int8 groups that are not whole blocks (and rows whose last block is shorter):
+    # scale * d times each whole block's dot, the parts of blocks through scalar integer sums
+    K = xq.shape[1]
     groups = scale.shape[1]
     group = K // groups
-    blocks = group - group % QBLOCK
     o0, o1, o2, o3 = _tile_rows(o, out.shape[1])
     zero_lanes = splat(np.float32(0.0))
     a0 = a1 = a2 = a3 = zero_lanes
     r0 = r1 = r2 = r3 = np.float32(0.0)
     for j in range(groups):
         prefetch(scale, (o + 4 * PREFETCH_TILES) * groups + 4 * j)   # the tile ahead's scales, 4 a group
-        p0 = p1 = p2 = p3 = zero_lanes
-        for k in range(j * group, j * group + blocks, QBLOCK):
-            ahead = (o + 4 * PREFETCH_TILES) * K + 4 * k   # and its weights, 128 bytes a block
-            prefetch(q, ahead)
-            prefetch(q, ahead + 64)
-            xk = n * K + k
-            p0 = _int8_products(q, o0 * K + k, x, xk, p0)
-            p1 = _int8_products(q, o1 * K + k, x, xk, p1)
-            p2 = _int8_products(q, o2 * K + k, x, xk, p2)
-            p3 = _int8_products(q, o3 * K + k, x, xk, p3)
-        a0 = splat(scale[o0, j]) * p0 + a0
-        a1 = splat(scale[o1, j]) * p1 + a1
-        a2 = splat(scale[o2, j]) * p2 + a2
-        a3 = splat(scale[o3, j]) * p3 + a3
-        for k in range(j * group + blocks, (j + 1) * group):
-            r0 += scale[o0, j] * (x[n, k] * np.float32(q[o0, k]))
-            r1 += scale[o1, j] * (x[n, k] * np.float32(q[o1, k]))
-            r2 += scale[o2, j] * (x[n, k] * np.float32(q[o2, k]))
-            r3 += scale[o3, j] * (x[n, k] * np.float32(q[o3, k]))
+        k, end = j * group, (j + 1) * group
+        while k < end:
+            b = k // QBLOCK
+            stop = min(end, (b + 1) * QBLOCK)
+            if stop - k == QBLOCK:
+                ahead = (o + 4 * PREFETCH_TILES) * K + 4 * k   # and its weights, 128 bytes a block
+                prefetch(q, ahead)
+                prefetch(q, ahead + 64)
+                xb = load_bytes(xq, n * K + k)
+                a0 = splat(scale[o0, j] * d[n, b]) * int8_dot(load_bytes(q, o0 * K + k), xb) + a0
+                a1 = splat(scale[o1, j] * d[n, b]) * int8_dot(load_bytes(q, o1 * K + k), xb) + a1
+                a2 = splat(scale[o2, j] * d[n, b]) * int8_dot(load_bytes(q, o2 * K + k), xb) + a2
+                a3 = splat(scale[o3, j] * d[n, b]) * int8_dot(load_bytes(q, o3 * K + k), xb) + a3
+            else:
+                i0 = i1 = i2 = i3 = 0
+                for i in range(k, stop):
+                    i0 += q[o0, i] * xq[n, i]
+                    i1 += q[o1, i] * xq[n, i]
+                    i2 += q[o2, i] * xq[n, i]
+                    i3 += q[o3, i] * xq[n, i]
+                r0 += scale[o0, j] * d[n, b] * np.float32(i0)
+                r1 += scale[o1, j] * d[n, b] * np.float32(i1)
+                r2 += scale[o2, j] * d[n, b] * np.float32(i2)
+                r3 += scale[o3, j] * d[n, b] * np.float32(i3)
+            k = stop
     out[n, o0] = total(a0) + r0
     out[n, o1] = total(a1) + r1
     out[n, o2] = total(a2) + r2
     out[n, o3] = total(a3) + r3
 
 
-@njit(inline="always")
-def _nibble_products(q, xk, qk, x, part):
-    # part + the 32 products of block x[xk : xk + 32] with the nibbles of q[qk : qk + 16], in lanes
-    n0, n1, n2, n3 = load_nibbles(q, qk)
-    return load(x, xk) * n0 + (load(x, xk + 8) * n1 + (load(x, xk + 16) * n2 + (load(x, xk + 24) * n3 + part)))
+def _weights_dot(q, o, b, xb):
+    """Lanes: block b of row o of q (int8, or int4 nibbles) times the int8 activations xb (lanes.py's dots)."""
+
+
+@overload(_weights_dot)
+def _weights_dot_of(q, o, b, xb):
+    if q.dtype == types.uint8:
+        return lambda q, o, b, xb: nibble_dot(load_nibble_block(q, o * q.shape[1] + (QBLOCK // 2) * b), xb)
+    return lambda q, o, b, xb: int8_dot(load_bytes(q, o * q.shape[1] + QBLOCK * b), xb)
 
 
 @njit(cache=True)
-def _int4_tile(x, x_sums, q, scale, zero, out, n, o):
-    # out[n, o:o+4] = x[n] @ w[o:o+4].T, w[o, k] = scale[o, j] * nibble[o, k] + zero[o, j] (j = k // group):
-    # per group, scale times the lane sums of x * nibble plus zero times x_sums[n, j] (its lane sums of x)
-    N, K = x.shape
-    groups = scale.shape[1]
-    half, group = K // 2, K // groups
+def _blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o):
+    # out[n, o:o+4] = x[n] @ w[o:o+4].T for groups of whole blocks, int8 or int4: w[o, k] = scale[o, j]
+    # * q[o, k] (+ zero[o, j] in int4; j = k // group), x[n, k] = d[n, k // 32] * xq[n, k]: d times
+    # each block's integer products into the group's lanes, those times scale into the output's, then
+    # zero times x_sums[n, j] (the group's sum of x) a group
+    K = xq.shape[1]
+    row, blocks, groups = q.shape[1], K // QBLOCK, scale.shape[1]   # row: bytes of a row of q
+    per_group = blocks // groups
     o0, o1, o2, o3 = _tile_rows(o, out.shape[1])
     zero_lanes = splat(np.float32(0.0))
-    a0 = a1 = a2 = a3 = zero_lanes
-    for j in range(groups):
+    a0 = a1 = a2 = a3 = p0 = p1 = p2 = p3 = zero_lanes   # the outputs' lanes, their group's lanes
+    r0 = r1 = r2 = r3 = np.float32(0.0)
+    j, left = 0, per_group   # the blocks' group, and its blocks from b on
+    for b in range(blocks):
         ahead = (o + 4 * PREFETCH_TILES) * groups + 4 * j   # the tile ahead's scales and offsets, 4 a group
         prefetch(scale, ahead)
-        prefetch(zero, ahead)
-        p0 = p1 = p2 = p3 = zero_lanes
-        for k in range(j * group, (j + 1) * group, QBLOCK):
-            prefetch(q, (o + 4 * PREFETCH_TILES) * half + 2 * k)   # and its weights, 64 bytes a block
-            xk = n * K + k
-            p0 = _nibble_products(q, xk, o0 * half + k // 2, x, p0)
-            p1 = _nibble_products(q, xk, o1 * half + k // 2, x, p1)
-            p2 = _nibble_products(q, xk, o2 * half + k // 2, x, p2)
-            p3 = _nibble_products(q, xk, o3 * half + k // 2, x, p3)
-        sums = load(x_sums, (n * groups + j) * WIDTH)
-        a0 = splat(scale[o0, j]) * p0 + (splat(zero[o0, j]) * sums + a0)
-        a1 = splat(scale[o1, j]) * p1 + (splat(zero[o1, j]) * sums + a1)
-        a2 = splat(scale[o2, j]) * p2 + (splat(zero[o2, j]) * sums + a2)
-        a3 = splat(scale[o3, j]) * p3 + (splat(zero[o3, j]) * sums + a3)
-    out[n, o0] = total(a0)
-    out[n, o1] = total(a1)
-    out[n, o2] = total(a2)
-    out[n, o3] = total(a3)
+        if zero.shape[1]:   # (int8's offsets are empty: no address to ask for)
+            prefetch(zero, ahead)
+        ahead = (o + 4 * PREFETCH_TILES) * row + 4 * (row // blocks) * b   # and its weights, 64 or 128 bytes a block
+        prefetch(q, ahead)
+        prefetch(q, ahead + 64)
+        xb = load_bytes(xq, n * K + QBLOCK * b)
+        db = splat(d[n, b])
+        p0 = db * _weights_dot(q, o0, b, xb) + p0
+        p1 = db * _weights_dot(q, o1, b, xb) + p1
+        p2 = db * _weights_dot(q, o2, b, xb) + p2
+        p3 = db * _weights_dot(q, o3, b, xb) + p3
+        left -= 1
+        if left == 0:   # the group's end: its lanes times its scale
+            a0 = splat(scale[o0, j]) * p0 + a0
+            a1 = splat(scale[o1, j]) * p1 + a1
+            a2 = splat(scale[o2, j]) * p2 + a2
+            a3 = splat(scale[o3, j]) * p3 + a3
+            p0 = p1 = p2 = p3 = zero_lanes
+            j, left = j + 1, per_group
+    for j in range(zero.shape[1]):
+        r0 += zero[o0, j] * x_sums[n, j]
+        r1 += zero[o1, j] * x_sums[n, j]
+        r2 += zero[o2, j] * x_sums[n, j]
+        r3 += zero[o3, j] * x_sums[n, j]
+    out[n, o0] = total(a0) + r0
+    out[n, o1] = total(a1) + r1
+    out[n, o2] = total(a2) + r2
+    out[n, o3] = total(a3) + r3
 
 
-@njit(cache=True)
-def _lane_sums(x, groups, x_sums):
-    # x (N, K) -> x_sums (N, groups, 8): lane l of group j sums x[n, k] over the group's k = l mod 8
-    N, K = x.shape
-    group = K // groups
-    for n in range(N):
-        for j in range(groups):
-            s = splat(np.float32(0.0))
-            for k in range(j * group, (j + 1) * group, WIDTH):
-                s = s + load(x, n * K + k)
-            store(x_sums, (n * groups + j) * WIDTH, s)
-
-
-def _tile(x, x_sums, q, scale, zero, out, n, o):
-    """_int8_tile or _int4_tile, chosen by q's dtype when a kernel is compiled."""
+def _tile(xq, d, x_sums, q, scale, zero, out, n, o):
+    """_blocks_tile, or for int8 groups that are not whole blocks _int8_tile."""
 
 
 @overload(_tile)
-def _tile_of(x, x_sums, q, scale, zero, out, n, o):
-    kernel = _int4_tile if q.dtype == types.uint8 else _int8_tile
-    return lambda x, x_sums, q, scale, zero, out, n, o: kernel(x, x_sums, q, scale, zero, out, n, o)
+def _tile_of(xq, d, x_sums, q, scale, zero, out, n, o):
+    if q.dtype == types.uint8:   # int4 groups are whole blocks
+        return lambda xq, d, x_sums, q, scale, zero, out, n, o: _blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o)
+
+    def int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
+        if (xq.shape[1] // scale.shape[1]) % QBLOCK == 0:
+            _blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o)
+        else:
+            _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o)
+    return int8_tile
 
 
 @njit(cache=True)
-def _tiles(x, x_sums, q, scale, zero, out, first, last):
+def _tiles(xq, d, x_sums, q, scale, zero, out, first, last):
     # tiles first..last-1 of 4 outputs, every row of x each
     for t in range(first, last):
-        for n in range(x.shape[0]):
-            _tile(x, x_sums, q, scale, zero, out, n, 4 * t)
+        for n in range(xq.shape[0]):
+            _tile(xq, d, x_sums, q, scale, zero, out, n, 4 * t)
 
 
 @njit(cache=True, parallel=True)
-def _tiles_threaded(x, x_sums, q, scale, zero, out, tiles):
+def _tiles_threaded(xq, d, x_sums, q, scale, zero, out, tiles):
     # _tiles 0..tiles-1 shared among the threads
     for t in prange(tiles):
-        _tiles(x, x_sums, q, scale, zero, out, t, t + 1)
+        _tiles(xq, d, x_sums, q, scale, zero, out, t, t + 1)
 
 
 @njit(cache=True)
 def quantized_matmul_rows(x, q, scale, zero, out, threads):
-    # x (N, K), (q, scale, zero) (O, K) quantized -> out (N, O) = x @ w.T, its tiles shared among
-    # `threads` threads from THREADED_PRODUCTS multiply-adds
+    # x (N, K), (q, scale, zero) (O, K) quantized -> out (N, O) = (x rounded to 8 bits by blocks of
+    # 32) @ w.T, its tiles shared among `threads` threads from THREADED_PRODUCTS multiply-adds
     N, K = x.shape
     O = out.shape[1]
-    groups = scale.shape[1]
-    x_sums = np.empty((N, groups, WIDTH), dtype=np.float32)
-    if zero.shape[1]:   # int4 (int8 has no offsets)
-        _lane_sums(x, groups, x_sums)
+    xq = np.empty((N, K), dtype=np.int8)
+    d = np.empty((N, (K + QBLOCK - 1) // QBLOCK), dtype=np.float32)
+    x_sums = np.empty((N, zero.shape[1]), dtype=np.float32)   # int4's offsets (int8 has none)
+    round_rows(x, xq, d)
+    if zero.shape[1]:
+        _group_sums(xq, d, x_sums)
     tiles = (O + 3) // 4
     if threads > 1 and N * O * K >= THREADED_PRODUCTS:
         had = threads_for(threads)
-        _tiles_threaded(x, x_sums, q, scale, zero, out, tiles)
+        _tiles_threaded(xq, d, x_sums, q, scale, zero, out, tiles)
         threads_for(had)
     else:
-        _tiles(x, x_sums, q, scale, zero, out, 0, tiles)
+        _tiles(xq, d, x_sums, q, scale, zero, out, 0, tiles)
