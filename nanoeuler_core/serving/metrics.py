@@ -8,13 +8,12 @@
     nanoeuler_inter_token_latency_seconds             between a choice's successive pieces of text (histogram)
     nanoeuler_queue_depth                             requests waiting for a row
     nanoeuler_rows_busy, nanoeuler_rows               rows decoding, rows in all
-    nanoeuler_prefix_cache_hits_total                 prompt tokens a prefix cache gave (Scheduler.prefix_cache_hits)
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -48,7 +47,7 @@ class Metrics:
 
 
 class _SchedulerCollector:
-    """The scheduler's load and its prefix cache's hits, as they are at the scrape."""
+    """The scheduler's load, as it is at the scrape."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
@@ -59,5 +58,3 @@ class _SchedulerCollector:
                                   ("nanoeuler_rows_busy", "rows decoding", load["active"]),
                                   ("nanoeuler_rows", "rows decoded at once (--max-batch)", load["rows"])):
             yield GaugeMetricFamily(name, what, value=value)
-        yield CounterMetricFamily("nanoeuler_prefix_cache_hits", "prompt tokens whose keys and values a prefix "
-                                  "cache gave", value=self.scheduler.prefix_cache_hits)

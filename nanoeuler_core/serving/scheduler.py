@@ -185,7 +185,6 @@ class Scheduler:
         self._closing = False
         self._started, self._start_error = threading.Event(), None
         self._outbox: list[tuple[Job, object]] = []   # events of the current step, for `deliver`
-        self.prefix_cache_hits = 0    # prompt tokens whose keys and values a prefix cache gave (GET /metrics)
         self.deliver: Callable[[list[tuple[Job, object]]], None] = emit_each
         self._thread = threading.Thread(target=self._run, name="nanoeuler-scheduler", daemon=True)
 
