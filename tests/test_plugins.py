@@ -92,3 +92,16 @@ def test_plugin_reusing_a_registered_name_is_skipped_with_a_warning(op_entry_poi
         op = reg.op("rmsnorm")
     assert op is rmsnorm.OP and op.source == "nanoeuler"
     assert_rmsnorm_runs_on_cpu(reg)
+
+
+def test_every_package_folder_is_installed():
+    """A non-editable install (a wheel) carries exactly the packages pyproject.toml lists: every
+    folder with an __init__.py under a mapped root must be among them."""
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join((name, *init.parent.relative_to(root / folder).parts))
+             for name, folder in setup["package-dir"].items() for init in (root / folder).rglob("__init__.py")}
+    assert found == set(setup["packages"])

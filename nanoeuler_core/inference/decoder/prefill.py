@@ -29,8 +29,10 @@ class Prefill:
 
     def length(self, T: int) -> int:
         """The tokens a prefill of T runs over: where the backend captures work, T padded to a power of
-        two (at least PREFILL_MIN, at most the context), one captured forward per such length; else T."""
-        if not self.captures:
+        two (at least PREFILL_MIN, at most the context), one captured forward per such length; else T.
+        Padded whether or not this decoder captures: a matrix product's kernel, hence its rounding,
+        may change with the number of rows, and eager runs must give the captured runs' tokens."""
+        if not self.be.captures:
             return T
         return min(self.model.cfg.ctx_len, max(PREFILL_MIN, 1 << (T - 1).bit_length()))
 
