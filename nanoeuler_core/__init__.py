@@ -19,6 +19,12 @@ THREAD_ENV_SET_HERE = [name for name in THREAD_ENV if name not in os.environ]
 for _name in THREAD_ENV_SET_HERE:
     os.environ[_name] = THREAD_ENV[_name]
 
+from numba.core.caching import CacheImpl  # noqa: E402
+
+from nanoeuler_core.kernel_cache import stamp_sources  # noqa: E402
+
+stamp_sources(CacheImpl)   # before any kernel is compiled or loaded from the cache
+
 from nanoeuler_core.engine.config import ModelConfig  # noqa: E402
 from nanoeuler_core.engine.model import Model  # noqa: E402
 

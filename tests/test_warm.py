@@ -69,3 +69,21 @@ def test_pretrain_with_the_child_beside_it(tmp_path, monkeypatch):
     assert len(started) == 1 and started[0][-8:] == ["small", "cpu", "fp32", "0", "1", "0.8", "40", "adamw"]
     assert "--- sample" in result.output and (tmp_path / "run" / "model.safetensors").exists()
 
+
+
+def test_an_edit_to_an_imported_module_recompiles_a_cached_kernel(tmp_path):
+    """A cached kernel compiles in what it imports: editing only the imported module must not
+    leave the old machine code in use (nanoeuler_core.kernel_cache)."""
+    package = tmp_path / "kernels"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "kernel.py").write_text(
+        "from numba import njit\nfrom kernels.helper import value\n\n\n"
+        "@njit(cache=True)\ndef kernel():\n    return value()\n")
+    run = [sys.executable, "-c", "import nanoeuler_core; from kernels.kernel import kernel; print(kernel())"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for value in (1, 2):
+        (package / "helper.py").write_text(f"from numba import njit\n\n\n@njit\ndef value():\n    return {value}\n")
+        result = subprocess.run(run, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        assert result.stdout.strip() == str(value), result.stderr
+    assert list((package / "__pycache__").glob("kernel.kernel-*.nbi"))   # the kernel was cached

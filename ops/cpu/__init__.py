@@ -2,7 +2,6 @@
 cached on disk so each signature compiles once per machine. Kernels: `nanoeuler_ops.cpu.<op>`."""
 
 import ctypes
-import os
 import threading
 from contextlib import contextmanager
 
@@ -25,11 +24,12 @@ class CpuBackend(HostBackend):
         return super().device_name() + (" (one Numba thread a core)" if pins_threads() else "")
 
     def kernel_cache_cold(self) -> bool:
-        # judged by two kernels every run compiles: AdamW's update and the sampler (Numba's index files)
+        # judged by two kernels every run compiles: AdamW's update and the sampler (Numba's index
+        # files, missing or stamped for other sources)
         from nanoeuler_ops.cpu import adamw, sample
 
         try:
-            return not all(os.path.exists(kernel._cache._cache_file._index_path) for kernel in (adamw._update, sample._sample))
+            return not all(kernel._cache._cache_file._load_index() for kernel in (adamw._update, sample._sample))
         except AttributeError:   # a Numba that keeps its cache elsewhere: nothing is warmed ahead
             return False
 

@@ -15,6 +15,11 @@ simulator (ops/cuda/simulator.py: the same names). The rest of this module is wr
 
 import numpy as np
 from numba import config, cuda, uint32, uint64
+from numba.cuda.core.caching import CacheImpl
+
+from nanoeuler_core.kernel_cache import stamp_sources
+
+stamp_sources(CacheImpl)   # a cached CUDA kernel is checked against the modules it imports too
 
 if config.ENABLE_CUDASIM:
     from nanoeuler_ops.cuda.simulator import *  # noqa: F403
