@@ -1,11 +1,12 @@
 """Data parallelism and gradient accumulation: micro-batches equal one big batch on every backend;
 `mpiexec -n 2` equals one process accumulating two micro-batches, with and without sharded AdamW
-state (ZeRO-1), through resume too; a killed or hung rank ends the job with the last checkpoint
-intact; Ctrl-C stops every rank after the same step; errors are one line.
+state (ZeRO-1) and sharded gradients (ZeRO-2), through resume too; a killed or hung rank ends the
+job with the last checkpoint intact; Ctrl-C stops every rank after the same step; errors are one line.
 
 The multi-process tests run the CLI under MPICH's mpiexec (pip install '.[dist]'), one Numba
 thread per process so that runs of different shapes sum in the same order."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.gradcheck import tiny_config
 from nanoeuler_core.engine.model import Model
 from nanoeuler_core.engine.optim import make_optimizer
+from nanoeuler_core.registry import bf16_bits, bf16_values
 from nanoeuler_core.training.step import TrainStep
 from nanoeuler_core.training import dpo, sft
 from nanoeuler_core.training import pretrain as train
@@ -103,7 +105,7 @@ class RecordingCollectives:
     def all_reduce_sum_async(self, buf, wire=None):
         self._record("all-reduce", buf)
 
-    def reduce_sum_async(self, buf, root, wire=None):
+    def reduce_sum_async(self, buf, root, wire=None, into=None):
         self._record("reduce", buf, root)
 
     def wait(self):
@@ -185,6 +187,85 @@ def test_buckets_fire_in_the_order_the_backward_finishes_them_and_the_last_is_th
         return next(i for i, (_, lo, hi, _, _) in enumerate(comm.calls[:first_of_last]) if lo <= offset < hi)
 
     assert summed_at(f"layers.{cfg.n_layers - 1}.wq") < summed_at("layers.0.wq")
+
+
+class OneRank:
+    """The collectives of a job of one rank, in this process: a sum over one rank is the rank's
+    values (rounded to bf16 where they travel in bf16), added into `into` where given."""
+
+    rank, size = 0, 1
+
+    def all_reduce_sum(self, buf):
+        pass
+
+    reduce_scatter_sum = all_gather = all_reduce_sum
+
+    def all_reduce_sum_async(self, buf, wire=None):
+        if wire is not None:
+            buf[:] = bf16_values(bf16_bits(buf))
+
+    def reduce_sum_async(self, buf, root, wire=None, into=None):
+        self.all_reduce_sum_async(buf, wire)
+        if into is not None:
+            into += buf
+
+    def wait(self):
+        pass
+
+    backward_done = wait
+
+    def mark(self, marker=None):
+        return None
+
+    def wait_for(self, marker):
+        pass
+
+    def host_sum(self, values):
+        return np.asarray(values)
+
+    host_concat = host_sum
+
+
+def train_tiny(cfg, micro_batches: int, optimizer: str = "adamw", **settings):
+    """Three steps of `micro_batches` micro-batches of 2 rows: (losses and norms, weights, optimizer)."""
+    model = Model(cfg, backend="cpu", seed=0)
+    opt = make_optimizer(optimizer, model, **settings)
+    step, rows = TrainStep(model, opt), np.random.default_rng(1)
+    history = []
+    for _ in range(3):
+        inputs, targets = rows.integers(0, cfg.vocab_size, (2, 2 * micro_batches, 5))
+        history.append(step.micro_batches([(inputs[2 * k:2 * k + 2], targets[2 * k:2 * k + 2])
+                                           for k in range(micro_batches)], 1e-2))
+    return np.array(history), model.params, opt
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_zero_2_keeps_the_gradients_in_reused_buckets_and_trains_as_the_plain_step(optimizer, tied, micro_batches):
+    """ZeRO-2 on one rank: the backward writes into a few slots that the buckets take in turn
+    (less memory than the whole gradient, the flat buffer gone), each micro-batch's sums add into
+    the gradient shards, and training equals the plain step's (exactly for one micro-batch)."""
+    cfg = dataclasses.replace(tiny_config(tie_embeddings=tied), n_layers=4)
+    plain, w_plain, _ = train_tiny(cfg, micro_batches, optimizer)
+    zero, w_zero, opt = train_tiny(cfg, micro_batches, optimizer, comm=OneRank(), zero=2)
+    assert opt.model.grad_flat is None and opt.sync.grads.elements < opt.model.n_params
+    assert len(opt.sync.grads.slots) < len(opt.sync.buckets)
+    bound = 0 if micro_batches == 1 else 1e-6
+    np.testing.assert_allclose(zero, plain, rtol=bound, atol=0)
+    assert relative_difference(w_zero, w_plain) <= bound
+
+
+def test_zero_2_sums_in_bf16_as_zero_1_does():
+    """The bf16 copy the sums travel in follows the buckets' slots: on one rank ZeRO-2's rounded
+    sums train exactly as ZeRO-1's, and differ from float32 sums."""
+    cfg = dataclasses.replace(tiny_config(), n_layers=4)
+    runs = [train_tiny(cfg, 1, comm=OneRank(), zero=zero, grad_reduce=reduce)
+            for zero, reduce in ((1, "bf16"), (2, "bf16"), (2, "fp32"))]
+    (one, w_one, _), (two, w_two, opt), (_, w_fp32, _) = runs
+    np.testing.assert_array_equal(two, one)
+    assert relative_difference(w_two, w_one) == 0 < relative_difference(w_two, w_fp32)
+    assert opt.memory()["bf16_sums"] == 2 * opt.sync.grads.elements < 2 * opt.model.n_params
 
 
 def test_loaders_split_a_step_into_micro_batches(tok):
