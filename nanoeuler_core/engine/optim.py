@@ -211,7 +211,8 @@ class GradientSync:
     def __init__(self, model, comm: Collectives, groups: list[Group], bucket: int = BUCKET_ELEMENTS,
                  bf16: bool = False, shards: bool = False):
         self.model, self.comm, self.groups, self.shards = model, comm, groups, shards
-        self.n_reports = len(model.gradient_reports())
+        self.reports = model.gradient_reports()
+        self.n_reports = len(self.reports)
         self.buckets = plan_buckets(model, bucket, heads_together=shards)
         if shards:
             sizes = assign_slots(self.buckets, self.n_reports)
@@ -242,6 +243,8 @@ class GradientSync:
         """The gradients of these parameters (the backward's next report) are final: fire every
         bucket they complete."""
         j = self._reported
+        if j >= self.n_reports or list(names) != self.reports[j]:
+            raise RuntimeError(f"report {j} of the backward names {list(names)}, not {self.reports[j:j + 1]}")
         self._reported += 1
         while self._fired < len(self.buckets) and max(self.buckets[self._fired].reports) <= j:
             self._fire(self.buckets[self._fired])
