@@ -6,6 +6,7 @@ Run it under mpiexec, one rank per GPU (or CPU share):
     mpiexec -n 1 python bench/bench_dist.py --variant plain       # no communicator: the 1-GPU step
     mpiexec -n 2 python bench/bench_dist.py --variant allreduce   # NCCL (cuda) / MPI (cpu) all-reduce in the step
     mpiexec -n 2 python bench/bench_dist.py --variant zero        # ZeRO-1: moments sharded over the ranks
+    mpiexec -n 2 python bench/bench_dist.py --variant zero2       # ZeRO-2: and the summed gradients
 
 Options: --preset gpu --backend cuda --batch-size 32 --grad-accum 1 --steps 20 --warmup 3
 [--precision fp32|tf32|bf16] [--no-overlap: sum the gradients after the backward, not during it]
@@ -15,7 +16,8 @@ different shapes see the same rows (the PyTorch DDP peer, bench/torch_ddp.py, dr
 Several variants, grad-accums or grad-reduces (comma-separated) run one after the other in the same
 processes (one start-up and NCCL communicator for all; the memory figure is then the largest so
 far). Rank 0 prints one JSON line per configuration: median ms per step, tokens/s in all and per rank, device memory in
-use per rank (GPU) or peak RSS (CPU), the exposed communication (the median over the steps of the
+use per rank (GPU) or peak RSS (CPU), the bytes each rank holds (`held_bytes_per_rank`: parameters,
+gradients, optimizer state, the bf16 copy of the sums; Optimizer.memory), the exposed communication (the median over the steps of the
 time from the end of the backward to the end of the last sum: CUDA events inside the captured
 step on a GPU, the wall clock on the CPU, where MPI sums block; rank 0's, and the largest rank's),
 and the loss and gradient norm of every step (to compare variants: they must agree).
@@ -39,6 +41,9 @@ from nanoeuler_core.training import distributed
 from nanoeuler_core.training.step import TrainStep
 
 
+ZERO_LEVEL = {"plain": 0, "allreduce": 0, "zero": 1, "zero2": 2}   # variant -> --zero
+
+
 def batches(cfg, batch_size: int, grad_accum: int, rank: int):
     """Step s's micro-batches of this rank: rows from (seed 0, s, part) of a random token stream."""
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 2_000_000).astype(np.uint16)
@@ -49,7 +54,8 @@ def batches(cfg, batch_size: int, grad_accum: int, rank: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="allreduce", help="plain, allreduce or zero; several: comma-separated")
+    parser.add_argument("--variant", default="allreduce", help="plain, allreduce, zero (ZeRO-1) or zero2 (ZeRO-2); "
+                                                               "several: comma-separated")
     parser.add_argument("--preset", default="gpu")
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per micro-batch, on each rank")
@@ -65,8 +71,8 @@ def main() -> None:
 
     job = distributed.world()
     variants = args.variant.split(",")
-    if not set(variants) <= {"plain", "allreduce", "zero"}:
-        raise SystemExit(f"--variant takes plain, allreduce and zero, got {args.variant}")
+    if not set(variants) <= set(ZERO_LEVEL):
+        raise SystemExit(f"--variant takes {', '.join(ZERO_LEVEL)}, got {args.variant}")
     if "plain" in variants and job.size > 1:
         raise SystemExit("--variant plain runs one rank (mpiexec -n 1)")
     job.prepare(args.backend)
@@ -81,8 +87,8 @@ def measure(args, job, variant: str, grad_accum: int, grad_reduce: str) -> None:
     cfg = ModelConfig.preset(args.preset)
     model = Model(cfg, backend=args.backend, seed=0, precision=args.precision)
     comm = None if variant == "plain" else job.collectives(args.backend)
-    step = TrainStep(model, AdamW(model, comm=comm, zero=variant == "zero", overlap=args.overlap,
-                                  grad_reduce=grad_reduce))
+    optimizer = AdamW(model, comm=comm, zero=ZERO_LEVEL[variant], overlap=args.overlap, grad_reduce=grad_reduce)
+    step = TrainStep(model, optimizer)
     step_batches = batches(cfg, args.batch_size, grad_accum, job.rank)
 
     times, exposed, history, memory = [], [], [], 0.0
@@ -112,6 +118,7 @@ def measure(args, job, variant: str, grad_accum: int, grad_reduce: str) -> None:
             "tokens_per_s": round(tokens_per_step / seconds),
             "tokens_per_s_per_rank": round(tokens_per_step / seconds / job.size),
             "memory_gb_by_rank": [round(m * 2**20 / 1e9, 3) for m in memory_by_rank],
+            "held_bytes_per_rank": optimizer.memory(),
             "loss_and_norm": history}), flush=True)
 
 

@@ -6,8 +6,9 @@ launched eagerly and inside a captured CUDA graph, one rank per GPU:
 Checks, each on every rank: each rank drives a GPU of its own; all-reduce (float32 and the
 float64 the sharded AdamW uses), in-place reduce-scatter and all-gather (ZeRO-1), the bucketed
 sums the training step starts during the backward (all-reduce, and reduce onto each shard's
-owner, on the communication stream; a sum in bf16), the host sums over MPI, then the same device collectives
-captured with the training step's recipe (Backend.capture) and replayed with new inputs. Prints
+owner, on the communication stream; a sum in bf16; ZeRO-2's reduce added into the owner's shard, its
+buffer reused once a marker says its sums are done), the host sums over MPI, then the same device
+collectives captured with the training step's recipe (Backend.capture) and replayed with new inputs. Prints
 one line per check on rank 0, then the all-reduce bandwidth of a gradient buffer of the `gpu`
 preset, and ends with "nccl self-check passed" (exit 0), or the first mismatch (exit 1).
 """
@@ -96,6 +97,27 @@ def main() -> int:
     check("reduce onto each shard's owner on the communication stream", buf.copy_to_host()[lo:hi],
           (size * base + ranks.sum()).astype(np.float32)[lo:hi])
 
+    grad_shard, slot, marker = be.zeros(hi - lo), be.zeros(n), None
+
+    def zero_2(values: list) -> None:
+        """ZeRO-2's pattern: each micro-batch's values in one slot, reused once the marker of the
+        sums that read it last is reached; each part reduced onto its owner and added into its shard."""
+        nonlocal marker
+        for k, value in enumerate(values):
+            if k:
+                comm.wait_for(marker)
+            be.copy_(slot, value)
+            for owner in range(size):
+                a, b = shard(n, owner, size)
+                comm.reduce_sum_async(slot[a:b], owner, into=grad_shard if owner == rank else None)
+            marker = comm.mark(marker)
+
+    be.zero_(grad_shard)
+    zero_2([(base + rank + k).astype(np.float32) for k in range(2)])
+    comm.wait()
+    check("ZeRO-2: two micro-batches reduced onto each shard's owner and added into its shard",
+          grad_shard.copy_to_host(), (2 * (size * base + ranks.sum()) + size)[lo:hi].astype(np.float32))
+
     check("host sum over MPI", comm.host_sum(np.array([rank, 1])), [ranks.sum(), size])
     check("host concat over MPI", comm.host_concat(np.array([rank, rank])), np.repeat(np.arange(size), 2))
 
@@ -110,6 +132,9 @@ def main() -> int:
         comm.wait()
         comm.reduce_scatter_sum(work)  # then ZeRO-1's pair, in place, on the capture stream
         comm.all_gather(work)
+        be.zero_(grad_shard)           # and ZeRO-2's: the result twice into one slot, summed into the shards
+        zero_2([work, work])
+        comm.wait()
         return work
 
     replay, result = be.capture(step)
@@ -119,6 +144,8 @@ def main() -> int:
         expect = size * (size * base * (round_ + 1) + ranks.sum())  # all-reduce, then reduce-scatter sums again
         check(f"captured graph, replay {round_ + 1}: all-reduce, reduce-scatter, all-gather", out,
               expect.astype(np.float32))
+        check(f"captured graph, replay {round_ + 1}: ZeRO-2's sums into the shards", grad_shard.copy_to_host(),
+              (2 * size * expect)[lo:hi].astype(np.float32))
     grads = be.zeros(116_417_280)   # the `gpu` preset's gradient buffer, float32
     for _ in range(3):
         comm.all_reduce_sum(grads)

@@ -40,12 +40,21 @@ class Collectives(Protocol):
         """Start buf <- the sum of every rank's buf; complete once `wait()` returns. With `wire`, a
         bf16 buffer of buf's size, the sum travels in bfloat16 (see the module docstring)."""
 
-    def reduce_sum_async(self, buf, root: int, wire=None) -> None:
-        """Start buf <- the sum of every rank's buf on rank `root` (buf is undefined elsewhere);
-        complete once `wait()` returns. `wire` as for `all_reduce_sum_async`."""
+    def reduce_sum_async(self, buf, root: int, wire=None, into=None) -> None:
+        """Start buf <- the sum of every rank's buf on rank `root` (buf is undefined elsewhere), and
+        with `into` (given on `root` alone: an array of buf's size) into <- into + that sum; complete
+        once `wait()` returns. `wire` as for `all_reduce_sum_async`."""
 
     def wait(self) -> None:
         """Work queued after this call sees the results of every collective started before it."""
+
+    def mark(self, marker=None):
+        """A marker of the collectives started so far (`marker` recorded again, or a new one), for
+        `wait_for`."""
+
+    def wait_for(self, marker) -> None:
+        """Work queued after this call sees the results of the collectives started before `marker`
+        was recorded (ZeRO-2 reuses a bucket's memory once its sums are done), not of later ones."""
 
     def backward_done(self) -> None:
         """The backward pass has ended (as queued): `exposed_ms` counts from here."""
@@ -100,7 +109,7 @@ class MpiCollectives:
             self.all_reduce_sum(buf)
         self._count(start)
 
-    def reduce_sum_async(self, buf, root: int, wire=None) -> None:
+    def reduce_sum_async(self, buf, root: int, wire=None, into=None) -> None:
         start = time.perf_counter()
         if wire is not None:
             self._bf16_sum(buf, root)
@@ -108,12 +117,20 @@ class MpiCollectives:
             self.comm.Reduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM, root=root)
         else:
             self.comm.Reduce(buf, None, op=self.MPI.SUM, root=root)
+        if into is not None:
+            into += buf
         self._count(start)
 
     def wait(self) -> None:
         if self._backward_done:
             self._exposed = self._during_backward + time.perf_counter() - self._backward_done
         self._backward_done = self._during_backward = 0.0
+
+    def mark(self, marker=None):
+        return None   # every sum is done when its call returns
+
+    def wait_for(self, marker) -> None:
+        pass
 
     def backward_done(self) -> None:
         self._backward_done = time.perf_counter()

@@ -1,12 +1,14 @@
 """Data parallelism and gradient accumulation: micro-batches equal one big batch on every backend;
 `mpiexec -n 2` equals one process accumulating two micro-batches, with and without sharded AdamW
-state (ZeRO-1), through resume too; a killed or hung rank ends the job with the last checkpoint
-intact; Ctrl-C stops every rank after the same step; errors are one line.
+state (ZeRO-1) and sharded gradients (ZeRO-2), through resume too; a killed or hung rank ends the
+job with the last checkpoint intact; Ctrl-C stops every rank after the same step; errors are one line.
 
 The multi-process tests run the CLI under MPICH's mpiexec (pip install '.[dist]'), one Numba
 thread per process so that runs of different shapes sum in the same order."""
 
+import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from nanoeuler_core.engine import checkpoint
 from nanoeuler_core.engine.gradcheck import tiny_config
 from nanoeuler_core.engine.model import Model
 from nanoeuler_core.engine.optim import make_optimizer
+from nanoeuler_core.registry import bf16_bits, bf16_values
 from nanoeuler_core.training.step import TrainStep
 from nanoeuler_core.training import dpo, sft
 from nanoeuler_core.training import pretrain as train
@@ -103,7 +106,7 @@ class RecordingCollectives:
     def all_reduce_sum_async(self, buf, wire=None):
         self._record("all-reduce", buf)
 
-    def reduce_sum_async(self, buf, root, wire=None):
+    def reduce_sum_async(self, buf, root, wire=None, into=None):
         self._record("reduce", buf, root)
 
     def wait(self):
@@ -187,6 +190,85 @@ def test_buckets_fire_in_the_order_the_backward_finishes_them_and_the_last_is_th
     assert summed_at(f"layers.{cfg.n_layers - 1}.wq") < summed_at("layers.0.wq")
 
 
+class OneRank:
+    """The collectives of a job of one rank, in this process: a sum over one rank is the rank's
+    values (rounded to bf16 where they travel in bf16), added into `into` where given."""
+
+    rank, size = 0, 1
+
+    def all_reduce_sum(self, buf):
+        pass
+
+    reduce_scatter_sum = all_gather = all_reduce_sum
+
+    def all_reduce_sum_async(self, buf, wire=None):
+        if wire is not None:
+            buf[:] = bf16_values(bf16_bits(buf))
+
+    def reduce_sum_async(self, buf, root, wire=None, into=None):
+        self.all_reduce_sum_async(buf, wire)
+        if into is not None:
+            into += buf
+
+    def wait(self):
+        pass
+
+    backward_done = wait
+
+    def mark(self, marker=None):
+        return None
+
+    def wait_for(self, marker):
+        pass
+
+    def host_sum(self, values):
+        return np.asarray(values)
+
+    host_concat = host_sum
+
+
+def train_tiny(cfg, micro_batches: int, optimizer: str = "adamw", **settings):
+    """Three steps of `micro_batches` micro-batches of 2 rows: (losses and norms, weights, optimizer)."""
+    model = Model(cfg, backend="cpu", seed=0)
+    opt = make_optimizer(optimizer, model, **settings)
+    step, rows = TrainStep(model, opt), np.random.default_rng(1)
+    history = []
+    for _ in range(3):
+        inputs, targets = rows.integers(0, cfg.vocab_size, (2, 2 * micro_batches, 5))
+        history.append(step.micro_batches([(inputs[2 * k:2 * k + 2], targets[2 * k:2 * k + 2])
+                                           for k in range(micro_batches)], 1e-2))
+    return np.array(history), model.params, opt
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_zero_2_keeps_the_gradients_in_reused_buckets_and_trains_as_the_plain_step(optimizer, tied, micro_batches):
+    """ZeRO-2 on one rank: the backward writes into a few slots that the buckets take in turn
+    (less memory than the whole gradient, the flat buffer gone), each micro-batch's sums add into
+    the gradient shards, and training equals the plain step's (exactly for one micro-batch)."""
+    cfg = dataclasses.replace(tiny_config(tie_embeddings=tied), n_layers=4)
+    plain, w_plain, _ = train_tiny(cfg, micro_batches, optimizer)
+    zero, w_zero, opt = train_tiny(cfg, micro_batches, optimizer, comm=OneRank(), zero=2)
+    assert opt.model.grad_flat is None and opt.sync.grads.elements < opt.model.n_params
+    assert len(opt.sync.grads.slots) < len(opt.sync.buckets)
+    bound = 0 if micro_batches == 1 else 1e-6
+    np.testing.assert_allclose(zero, plain, rtol=bound, atol=0)
+    assert relative_difference(w_zero, w_plain) <= bound
+
+
+def test_zero_2_sums_in_bf16_as_zero_1_does():
+    """The bf16 copy the sums travel in follows the buckets' slots: on one rank ZeRO-2's rounded
+    sums train exactly as ZeRO-1's, and differ from float32 sums."""
+    cfg = dataclasses.replace(tiny_config(), n_layers=4)
+    runs = [train_tiny(cfg, 1, comm=OneRank(), zero=zero, grad_reduce=reduce)
+            for zero, reduce in ((1, "bf16"), (2, "bf16"), (2, "fp32"))]
+    (one, w_one, _), (two, w_two, opt), (_, w_fp32, _) = runs
+    np.testing.assert_array_equal(two, one)
+    assert relative_difference(w_two, w_one) == 0 < relative_difference(w_two, w_fp32)
+    assert opt.memory()["bf16_sums"] == 2 * opt.sync.grads.elements < 2 * opt.model.n_params
+
+
 def test_loaders_split_a_step_into_micro_batches(tok):
     tokens = np.arange(5000, dtype=np.uint16) % 300
     big, small = BatchLoader(tokens, 8, 16, seed=4), BatchLoader(tokens, 2, 16, seed=4)
@@ -263,10 +345,11 @@ def metric_losses(run_dir: Path) -> list[float]:
     return [orjson.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
 
 
-def pretrain_args(corpus_and_tokenizer, out, *extra, steps=6):
+def pretrain_args(corpus_and_tokenizer, out, *extra, steps=6, batch_size=2):
     corpus, tokenizer = corpus_and_tokenizer
     return ["pretrain", "--corpus", corpus, "--tokenizer", tokenizer, "--steps", steps, "--decay-steps", 6,
-            "--batch-size", 2, "--eval-every", 3, "--ckpt-every", 3, "--sample-prompt", "x", "--out", out, *extra]
+            "--batch-size", batch_size, "--eval-every", 3, "--ckpt-every", 3, "--sample-prompt", "x", "--out", out,
+            *extra]
 
 
 def command(args, ranks: int | None = None) -> list[str]:
@@ -299,14 +382,19 @@ def assert_same_run(a: Path, b: Path, rtol: float = 1e-6) -> None:
 @pytest.fixture(scope="module")
 def runs(corpus_and_tokenizer, tmp_path_factory):
     """Six steps of batch 2 x 128: one process accumulating 2 micro-batches; 2 ranks; 2 ranks
-    with sharded AdamW state; 2 ranks stopped at step 3 and resumed; Muon in one process accumulating 2
-    micro-batches, and on 2 ranks (shared out, ZeRO-1) stopped at step 3 and resumed."""
+    with sharded AdamW state (ZeRO-1), and sharded gradients too (ZeRO-2: with batch 2, and with 2
+    micro-batches of 1 row); sums in bf16; 2 ranks stopped at step 3 and resumed; Muon in one process
+    accumulating 2 micro-batches, and on 2 ranks (shared out, ZeRO-1) stopped at step 3 and resumed."""
     if not MPIEXEC.exists():
         pytest.skip("needs mpiexec and mpi4py: pip install '.[dist]'")
     root = tmp_path_factory.mktemp("dp")
     checked(run(pretrain_args(corpus_and_tokenizer, root / "accum", "--grad-accum", 2)))
     checked(run(pretrain_args(corpus_and_tokenizer, root / "ranks"), ranks=2))
     checked(run(pretrain_args(corpus_and_tokenizer, root / "zero", "--zero", 1), ranks=2))
+    for name, args in (("zero2", pretrain_args(corpus_and_tokenizer, root / "zero2", "--zero", 2)),
+                       ("zero2_accum", pretrain_args(corpus_and_tokenizer, root / "zero2_accum", "--zero", 2,
+                                                     "--grad-accum", 2, batch_size=1))):
+        (root / f"{name}.log").write_text(checked(run(args, ranks=2)).stderr)
     checked(run(pretrain_args(corpus_and_tokenizer, root / "bf16", "--grad-reduce", "bf16"), ranks=2))
     checked(run(pretrain_args(corpus_and_tokenizer, root / "resumed", steps=3), ranks=2))
     checked(run(["pretrain", "--resume", root / "resumed", "--steps", 6, "--sample-prompt", "x"], ranks=2))
@@ -327,6 +415,31 @@ def test_two_ranks_equal_one_process_accumulating_two_micro_batches(runs):
 @needs_mpi
 def test_zero_1_equals_plain_data_parallel(runs):
     assert_same_run(runs / "zero", runs / "ranks")
+
+
+def memory_logged(log: str) -> dict[str, float]:
+    """The MB of parameters, gradients and optimizer state per rank that a run logs at its end."""
+    line = next(line for line in log.splitlines() if line.startswith("memory per rank:"))
+    return {what: float(mb.replace(",", ""))
+            for what, mb in re.findall(r"(parameters|gradients|optimizer state) ([\d,.]+) MB", line)}
+
+
+@needs_mpi
+def test_zero_2_equals_plain_data_parallel(runs):
+    """Each rank keeps only its shard of the summed gradients (and of the moments): the same run as
+    plain data parallelism and as one process accumulating both ranks' micro-batches."""
+    assert_same_run(runs / "zero2", runs / "ranks")
+    assert_same_run(runs / "zero2", runs / "accum")
+    held = memory_logged((runs / "zero2.log").read_text())
+    assert held["gradients"] < held["parameters"] and held["optimizer state"] == held["parameters"]   # (2 moments) / 2 ranks
+
+
+@needs_mpi
+def test_zero_2_adds_every_micro_batch_into_the_gradient_shards(runs):
+    """2 ranks of 2 micro-batches of 1 row: each micro-batch's sums add into the shards, as one
+    process accumulating 2 micro-batches of 2 rows trains (the gradients added in another order:
+    each micro-batch's summed over the ranks first)."""
+    assert_same_run(runs / "zero2_accum", runs / "accum", rtol=1e-5)
 
 
 @needs_mpi
@@ -355,9 +468,10 @@ def test_muon_shared_out_over_two_ranks_equals_one_process(runs):
 
 
 @needs_mpi
-def test_sharded_checkpoint_resumes_in_one_process(corpus_and_tokenizer, runs, tmp_path):
-    """A ZeRO-1 checkpoint is the full optimizer state: it resumes without --zero, on one rank."""
-    checked(run(pretrain_args(corpus_and_tokenizer, tmp_path / "zero", "--zero", 1, steps=3), ranks=2))
+@pytest.mark.parametrize("zero", [1, 2])
+def test_sharded_checkpoint_resumes_in_one_process(corpus_and_tokenizer, runs, tmp_path, zero):
+    """A ZeRO-1 or ZeRO-2 checkpoint is the full optimizer state: it resumes without --zero, on one rank."""
+    checked(run(pretrain_args(corpus_and_tokenizer, tmp_path / "zero", "--zero", zero, steps=3), ranks=2))
     checked(run(["pretrain", "--resume", tmp_path / "zero", "--steps", 6, "--grad-accum", 2, "--zero", 0,
                  "--sample-prompt", "x"]))
     assert_same_run(tmp_path / "zero", runs / "accum")
@@ -375,6 +489,30 @@ def test_dpo_two_ranks_equal_one_process_accumulating(tmp_path, tok):
     two = checked(run([*common, "--out", tmp_path / "ranks"], ranks=2))
     assert two.stdout.count("after DPO") == 1  # rank 0 reports
     assert_same_run(tmp_path / "ranks", tmp_path / "accum")
+
+
+@needs_mpi
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_fine_tuning_sums_in_bf16_over_two_ranks(tmp_path, tok, stage):
+    """--grad-reduce bf16 reaches sft's and dpo's optimizer: the sums round (the weights differ from
+    one process accumulating both ranks' micro-batches in float32) and train as float32 sums do."""
+    base = make_base_run(tmp_path / "base", tok)
+    words = ("night", "sword", "crown", "blood", "heart", "grace", "honour", "tongue")
+    if stage == "sft":
+        data = write_jsonl(tmp_path / "data.jsonl", [{"instruction": f"Repeat: {w}", "output": w} for w in words])
+    else:
+        data = write_jsonl(tmp_path / "data.jsonl", [{"instruction": f"Reverse: {w}", "chosen": w[::-1], "rejected": w}
+                                                     for w in words])
+    common = [stage, "--base", base, "--data", data, "--steps", 3, "--batch-size", 2, "--val-fraction", 0,
+              "--eval-every", 3, "--lr", 1e-3]
+    checked(run([*common, "--out", tmp_path / "fp32", "--grad-accum", 2]))
+    bf16 = checked(run([*common, "--out", tmp_path / "bf16", "--grad-reduce", "bf16"], ranks=2))
+    assert "sums in bf16" in bf16.stderr
+    assert checkpoint.read_json(tmp_path / "bf16" / "config.json")["training"]["grad_reduce"] == "bf16"
+    losses, fp32 = metric_losses(tmp_path / "bf16"), metric_losses(tmp_path / "fp32")
+    assert losses[0] == fp32[0], "step 1's loss comes before any update"
+    np.testing.assert_allclose(losses, fp32, rtol=2e-3)
+    assert 0 < relative_difference(saved_state(tmp_path / "bf16")[0], saved_state(tmp_path / "fp32")[0]) < 1e-2
 
 
 @needs_mpi
@@ -471,6 +609,8 @@ def test_errors_are_one_line(corpus_and_tokenizer, tmp_path):
         ((pretrain_args(corpus_and_tokenizer, tmp_path / "a", "--backend", "cuda"), 2),
          "2 ranks on this machine but 1 GPU"),
         ((pretrain_args(corpus_and_tokenizer, tmp_path / "b", "--zero", 1), 3), "3 ranks do not divide them"),
+        ((pretrain_args(corpus_and_tokenizer, tmp_path / "m", "--zero", 2, "--optimizer", "muon"), 3),
+         "--zero 2 --optimizer muon shares out the gradients of whole blocks: 3 ranks do not divide the 4 blocks"),
         ((pretrain_args(corpus_and_tokenizer, tmp_path / "c", "--grad-accum", 0), 2), "--grad-accum must be at least 1"),
     ]
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
@@ -512,10 +652,11 @@ def test_nccl_self_check_on_one_gpu():
 @needs_mpi
 @pytest.mark.skipif(not _real_gpu(), reason="needs a real CUDA GPU")
 def test_captured_step_with_nccl_and_zero_equals_the_plain_step_on_one_gpu():
-    """One rank: the NCCL all-reduce (or ZeRO-1's reduce-scatter and all-gather) inside the graph
-    changes nothing: the same losses and norms, step for step, micro-batches included."""
+    """One rank: the NCCL all-reduce (or ZeRO-1's reduce-scatter and all-gather, or ZeRO-2's buckets
+    summed into the gradient shards) inside the graph changes nothing: the same losses and norms,
+    step for step, micro-batches included."""
     histories = []
-    for variant in ("plain", "allreduce", "zero"):
+    for variant in ("plain", "allreduce", "zero", "zero2"):
         result = subprocess.run([str(MPIEXEC), "-n", "1", sys.executable, "bench/bench_dist.py", "--variant", variant,
                                  "--preset", "small", "--batch-size", "4", "--grad-accum", "2", "--steps", "4",
                                  "--warmup", "1"], capture_output=True, text=True, timeout=600,
@@ -523,3 +664,5 @@ def test_captured_step_with_nccl_and_zero_equals_the_plain_step_on_one_gpu():
         assert result.returncode == 0, result.stderr
         histories.append(orjson.loads(result.stdout.strip().splitlines()[-1])["loss_and_norm"])
     assert histories[0] == histories[1] == histories[2]
+    # ZeRO-2 adds each micro-batch's sums into its shard: the same up to float32 rounding
+    np.testing.assert_allclose(histories[3], histories[0], rtol=1e-5)

@@ -8,8 +8,8 @@ from typing import Iterator, Optional
 
 import typer
 
-from nanoeuler_core.cli.train import (DECODE_WEIGHTS_HELP, PRECISION_HELP, RECOMPUTE_HELP, SPECULATIVE_HELP, log_run,
-                                     rank0_log, stream_text)
+from nanoeuler_core.cli.train import (DECODE_WEIGHTS_HELP, GRAD_REDUCE_HELP, PRECISION_HELP, RECOMPUTE_HELP,
+                                     SPECULATIVE_HELP, ZERO_HELP, log_run, rank0_log, stream_text)
 from nanoeuler_core.inference.chat import Conversation
 from nanoeuler_core.inference.decoder import DecodeStats
 from nanoeuler_core.inference.generate import check_sampling, generate, prompt_ids
@@ -41,7 +41,8 @@ def sft_command(
     steps: int = typer.Option(3000, help="optimizer steps (about 6 minutes for `small` on 2 CPU cores)"),
     batch_size: int = typer.Option(16, help="examples per micro-batch, on each rank"),
     grad_accum: int = typer.Option(1, help="micro-batches per optimizer step"),
-    zero: int = typer.Option(0, help="1: shard the AdamW moments over the mpiexec ranks (ZeRO-1)"),
+    zero: int = typer.Option(0, help=ZERO_HELP),
+    grad_reduce: str = typer.Option("fp32", help=GRAD_REDUCE_HELP + ")"),
     lr: float = typer.Option(1e-3, help="peak learning rate"),
     seed: int = typer.Option(0, help="seed of the example order"),
     val_fraction: float = typer.Option(0.1, help="the last fraction of the examples held out for evaluation"),
@@ -59,8 +60,8 @@ def sft_command(
         job = distributed.world()
         log = rank0_log(job)
         tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
-                                  zero=zero, lr=lr, seed=seed, eval_every=eval_every, val_fraction=val_fraction,
-                                  precision=precision, recompute=recompute)
+                                  zero=zero, grad_reduce=grad_reduce, lr=lr, seed=seed, eval_every=eval_every,
+                                  val_fraction=val_fraction, precision=precision, recompute=recompute)
         chat_template = sft.sft_template(base, template)
         run, heldout = sft.start_sft(base, data, out, tc, log, chat_template)
         log_run(run, log)
@@ -91,7 +92,8 @@ def dpo_command(
     steps: int = typer.Option(200, help="optimizer steps"),
     batch_size: int = typer.Option(8, help="pairs per micro-batch, on each rank"),
     grad_accum: int = typer.Option(1, help="micro-batches per optimizer step"),
-    zero: int = typer.Option(0, help="1: shard the AdamW moments over the mpiexec ranks (ZeRO-1)"),
+    zero: int = typer.Option(0, help=ZERO_HELP),
+    grad_reduce: str = typer.Option("fp32", help=GRAD_REDUCE_HELP + ")"),
     lr: float = typer.Option(1e-4, help="peak learning rate"),
     seed: int = typer.Option(0, help="seed of the pair order"),
     val_fraction: float = typer.Option(0.1, help="the last fraction of the pairs held out for evaluation"),
@@ -108,8 +110,8 @@ def dpo_command(
         job = distributed.world()
         log = rank0_log(job)
         tc = sft.fine_tune_config(base, backend=backend, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
-                                  zero=zero, lr=lr, seed=seed, eval_every=eval_every, val_fraction=val_fraction,
-                                  precision=precision, recompute=recompute)
+                                  zero=zero, grad_reduce=grad_reduce, lr=lr, seed=seed, eval_every=eval_every,
+                                  val_fraction=val_fraction, precision=precision, recompute=recompute)
         trainer = dpo.start_dpo(base, data, out, tc, beta, log)
         log_run(trainer.run, log)
         heldout = trainer.heldout

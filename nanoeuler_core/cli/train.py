@@ -25,6 +25,10 @@ DEFAULT = {f.name: f.default for f in fields(training.TrainConfig)}
 NO_STEP_LIMIT = 10**12   # --time-budget without --steps: the budget alone ends the run
 PRECISION_HELP = "fp32, tf32 or bf16 (default: bf16 on a CUDA GPU with tensor cores, fp32 on the CPU)"
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40   # the sample printed at the end of a run
+ZERO_HELP = ("1: shard the AdamW moments over the mpiexec ranks (ZeRO-1); 2: and the summed gradients, the whole "
+             "gradient living only bucket by bucket (ZeRO-2)")
+GRAD_REDUCE_HELP = ("fp32 or bf16: what the gradients' sums over the mpiexec ranks travel in (bf16: half the bytes, "
+                    "the sums rounded to bf16; default: fp32")
 RECOMPUTE_HELP = ("activation recomputation (llm.c's -r): keep only each block's input and run its forward again "
                   "in the backward; about one block's activations instead of all of them, for one more forward pass "
                   "of the blocks; the same gradients")
@@ -41,11 +45,8 @@ def pretrain(
     batch_size: int = typer.Option(DEFAULT["batch_size"], help="sequences per micro-batch (each ctx_len tokens), on each rank"),
     grad_accum: Optional[int] = typer.Option(None, help="micro-batches per optimizer step (default: 1; with --resume: "
                                                         "the run's own)"),
-    zero: Optional[int] = typer.Option(None, help="1: shard the AdamW moments over the mpiexec ranks (ZeRO-1); "
-                                                  "a checkpoint resumes with or without it"),
-    grad_reduce: Optional[str] = typer.Option(None, help="fp32 or bf16: what the gradients' sums over the mpiexec "
-                                                         "ranks travel in (bf16: half the bytes, the sums rounded to "
-                                                         "bf16; default: fp32; with --resume: the run's own)"),
+    zero: Optional[int] = typer.Option(None, help=ZERO_HELP + "; a checkpoint resumes with or without it"),
+    grad_reduce: Optional[str] = typer.Option(None, help=GRAD_REDUCE_HELP + "; with --resume: the run's own)"),
     lr: Optional[float] = typer.Option(None, help="peak learning rate (default: 1e-3 small, 3e-4 otherwise)"),
     warmup: Optional[int] = typer.Option(None, help="warm-up steps (default: 5% of --decay-steps)"),
     decay_steps: Optional[int] = typer.Option(None, help="the schedule's horizon (default: --steps)"),
@@ -157,7 +158,7 @@ def log_run(run, log) -> None:
     ranks = distributed.world().size
     shape = f"batch {tc.batch_size} x {cfg.ctx_len}"
     if tc.grad_accum > 1 or ranks > 1:
-        notes = ", ".join(n for n in (run.optimizer.sharded, "sums in bf16" if run.optimizer.wire is not None else "") if n)
+        notes = ", ".join(n for n in (run.optimizer.sharded, "sums in bf16" if run.optimizer.sums_in_bf16 else "") if n)
         notes = f" ({notes})" if notes else ""
         shape += (f" per micro-batch, {tc.grad_accum} micro-batch{'es' if tc.grad_accum > 1 else ''} on each of "
                   f"{ranks} rank{'s' if ranks > 1 else ''}{notes}: "

@@ -20,7 +20,8 @@ Every op comes from the registry and runs on the chosen backend ("reference": Nu
 parameters live in one flat buffer with named views, matrices first so that weight decay covers
 the prefix [0, n_decay) (the blocks' matrices lead, block after block: the hidden matrices Muon
 updates are the prefix [0, n_hidden)); the gradients live in a twin buffer, into which every op's backward adds
-its parameter gradient in place (the buffer is zeroed once at the start of a step), as llm.c does.
+its parameter gradient in place (the buffer is zeroed once at the start of a step), as llm.c does;
+ZeRO-2 trades the twin buffer for a few reusable buckets (`gradients_in`).
 
 The K heads and their cross-entropy are one registered op, `classifier` (llm.c's fused
 classifier): it makes the logits a chunk of rows at a time and, in training, turns each chunk into
@@ -153,16 +154,25 @@ class Model:
         self.refresh_compute_weights()
         self.master = self._views(self.flat)
         self.weights = self._views(self.compute_flat)
-        self.grads = self._views(self.grad_flat)
         self.forward_weights = self.weight_set(self.compute_flat)
         self.layers, self.next_norms = self.forward_weights.layers, self.forward_weights.next_norms
-        self.layer_grads = self.block_weights(self.grad_flat)
         # name -> (q, scale, zero) on the host: the matrices a quantized run stores, whose dequantized
         # values the master weights hold (docs/files.md, "Quantized runs")
         self.quantized: dict[str, tuple] = {}
         # (K V, C); tied, head 0 is tok_emb, which the layout puts just before heads.1
-        heads = cfg.head_names()
-        self.heads, self.head_grads = self.stacked(self.compute_flat, heads), self.stacked(self.grad_flat, heads)
+        self.heads = self.stacked(self.compute_flat, cfg.head_names())
+        self.gradients_in(self.grad_flat)
+
+    def gradients_in(self, buffer, flat: bool = True) -> None:
+        """Make the backward add every gradient into `buffer`: the flat gradient buffer (n_params,),
+        or (`flat=False`) an object that maps each slice of the layout the model takes (a tensor,
+        a stack of adjacent ones) to backend memory, such as ZeRO-2's reusable buckets
+        (nanoeuler_core.engine.optim). `grad_flat` is then None, and whoever hands out the memory
+        zeroes it, bucket by bucket."""
+        self.grad_flat = buffer if flat else None
+        self.grads = self._views(buffer)
+        self.layer_grads = self.block_weights(buffer)
+        self.head_grads = self.stacked(buffer, self.cfg.head_names())
         self.next_norm_grads = [G.attn_norm for G in self.layer_grads[1:]] + [self.grads["norm"]]
 
     # ----------------------------------------------------------------------------------------
@@ -436,40 +446,54 @@ class Model:
         Returns the per-row losses of every head (backend (K, N); `loss_of` sums them).
 
         `grads_ready(names)`, if given, is called as soon as the gradients of those parameters are
-        final, heads first and the embedding last (the data-parallel sums start from there).
+        final, with each of `gradient_reports()` in turn (the data-parallel sums start from there);
+        gradients kept outside a flat buffer (`gradients_in`) need it: it hands out their memory.
         Only backend work, no host copy: a backend with graphs captures it as it stands.
         """
-        if not accumulate:
+        if self.grad_flat is None and grads_ready is None:
+            raise RuntimeError("the gradients live in buckets (ZeRO-2): the backward must report them (grads_ready)")
+        if not accumulate and self.grad_flat is not None:
             self.backend.zero_(self.grad_flat)
         grads_ready = grads_ready or (lambda names: None)
+        reports = self.gradient_reports()
         # the one choice of recomputation: keep every block's cache, or only its input
         keep = "input" if self.recompute else "cache"
         h_final, kept, first_saved = self._forward(batch.ids, batch.B, batch.T, keep)
         losses, dh_final = self._heads(h_final, batch.head_targets, batch.weights)
-        # a tied tok_emb is not final yet: the embedding's backward adds to it last
-        grads_ready([name for name in self.cfg.head_names() if name != "tok_emb"])
-        self._backward_blocks(dh_final, kept, first_saved, batch.ids, batch.B, batch.T, grads_ready)
+        grads_ready(reports[0])
+        self._backward_blocks(dh_final, kept, first_saved, batch.ids, batch.B, batch.T, grads_ready, reports)
         return losses
 
-    def _backward_blocks(self, dh, kept: list, first_saved: tuple, ids, B: int, T: int, grads_ready) -> None:
+    def gradient_reports(self) -> list[list[str]]:
+        """The parameters whose gradients the backward reports final together (`grads_ready`), in
+        the order it reports them: the heads (a tied tok_emb is not final yet: the embedding's
+        backward adds to it last), each block from the last to the first (its own parameters but
+        attn_norm, which the block below adds to, and the norm after it), then the first norm and
+        the embedding table. The backward writes report j's gradients after reporting j - 1;
+        report 0's, and a tied tok_emb's, from its start."""
+        L = self.cfg.n_layers
+        blocks = [[n for n in self.layout if n.startswith(f"layers.{i}.") and not n.endswith(".attn_norm")]
+                  + [f"layers.{i + 1}.attn_norm" if i + 1 < L else "norm"] for i in reversed(range(L))]
+        return [[n for n in self.cfg.head_names() if n != "tok_emb"], *blocks, ["layers.0.attn_norm", "tok_emb"]]
+
+    def _backward_blocks(self, dh, kept: list, first_saved: tuple, ids, B: int, T: int, grads_ready,
+                         reports: list[list[str]]) -> None:
         """Walk the blocks in reverse from dh (N, C), the gradient at the final norm's output, to
         tok_emb, consuming what the forward kept of each block (its cache, or its input to run it
         again from); every weight's gradient is added into the gradient buffer, and each block's
-        parameters reported to `grads_ready` once their gradients are final."""
+        parameters reported to `grads_ready` once their gradients are final (`reports`)."""
         cfg, f, eps = self.cfg, self.ops, self.cfg.norm_eps
         dx = None   # the gradient reaching the residual stream past the last block: none
         for i in reversed(range(cfg.n_layers)):
             dx, dh = self._block_backward(i, self._block_cache(i, kept.pop(), B, T), dx, dh, B, T)
-            # final now: the block's own parameters but attn_norm (the block below adds to it), and the next norm
-            grads_ready([n for n in self.layout if n.startswith(f"layers.{i}.") and not n.endswith(".attn_norm")]
-                        + [f"layers.{i + 1}.attn_norm" if i + 1 < cfg.n_layers else "norm"])
+            grads_ready(reports[cfg.n_layers - i])
         # dh is now the gradient at the first norm's output: through it, and the stream, to the embedding
         x_emb, rstd = first_saved
         dx_norm, _ = f.rmsnorm.backward(dh, (rstd,), x_emb, self.layers[0].attn_norm, eps=eps,
                                         into=(None, self.layer_grads[0].attn_norm))
         dx, _ = f.add.forward(dx, dx_norm)
         f.embedding.backward(dx, (), ids, self.weights["tok_emb"], into=(None, self.grads["tok_emb"]))
-        grads_ready(["layers.0.attn_norm", "tok_emb"])
+        grads_ready(reports[-1])
 
     def _block_cache(self, i: int, kept, B: int, T: int) -> BlockCache:
         """Block i's cache: as the forward kept it, or its forward run again from the kept input
@@ -539,14 +563,14 @@ class Model:
         losses, _ = self._heads(h_final, self.backend.asarray(targets.reshape(1, -1)))
         return -self._host_losses(losses)[0].reshape(ids.shape)
 
-    def logprob_backward(self, inputs, targets, weights, accumulate: bool = False) -> np.ndarray:
+    def logprob_backward(self, inputs, targets, weights, accumulate: bool = False, grads_ready=None) -> np.ndarray:
         """Fill `grad_flat` with the gradient of sum(weights * token_logprobs(inputs, targets)), weights (B, T)
-        (add it to what `grad_flat` holds, with `accumulate`).
+        (add it to what `grad_flat` holds, with `accumulate`; `grads_ready` as for `forward_backward`).
 
         The building block of objectives on sequence log-probabilities (DPO). Returns the log-probs.
         """
         batch = self.prepare(inputs, targets, token_weights=-np.asarray(weights, dtype=np.float64))  # log p = -CE
-        losses = self.forward_backward(batch, accumulate=accumulate)
+        losses = self.forward_backward(batch, accumulate=accumulate, grads_ready=grads_ready)
         return -self._host_losses(losses[:1])[0].reshape(batch.B, batch.T)
 
     # ----------------------------------------------------------------------------------------

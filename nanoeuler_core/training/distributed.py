@@ -11,7 +11,8 @@ the all-reduce is part of the step's CUDA graph. Before anything else, each rank
 of the machine from the backend (one GPU per rank, by local rank; or its share of the cores) and
 the ranks check that no two of them drive the same device. With ZeRO-1 (--zero 1) the gradients
 are reduce-scattered, each rank updates its shard of the parameters with its shard of the AdamW
-moments, and the shards are all-gathered. With --grad-reduce bf16 the sums travel in bfloat16.
+moments, and the shards are all-gathered; with ZeRO-2 (--zero 2) each rank keeps only its shard of
+the summed gradients as well. With --grad-reduce bf16 the sums travel in bfloat16.
 
 Started without mpiexec, everything runs as one process and nothing here imports MPI.
 
@@ -33,8 +34,6 @@ import traceback
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-import numpy as np
 
 from nanoeuler_core import registry
 from nanoeuler_core.collectives import Collectives
@@ -154,14 +153,15 @@ def _init_world() -> World:
 
 
 def memory_line(model, optimizer) -> str:
-    """What each rank holds: parameters, gradients and optimizer state (its share of it where
-    sharded) and, on GPUs, the device memory in use on each rank's GPU. Every rank must call it."""
-    item = np.dtype(model.backend.dtype).itemsize
-    state = optimizer.state_elements * item
-    line = (f"memory per rank: parameters and gradients {2 * model.n_params * item / 1e6:,.1f} MB, optimizer state "
-            f"{state / 1e6:,.1f} MB" + (f" ({optimizer.sharded})" if optimizer.sharded else ""))
-    if optimizer.wire_bytes:
-        line += f", bf16 gradients for the sums {optimizer.wire_bytes / 1e6:,.1f} MB"
+    """What each rank holds (Optimizer.memory): parameters, gradients (with ZeRO-2 a few buckets
+    and its shard), optimizer state (its share where sharded), the bf16 copy the sums travel in,
+    and, on GPUs, the device memory in use on each rank's GPU. Every rank must call it."""
+    held = optimizer.memory()
+    line = (f"memory per rank: parameters {held['parameters'] / 1e6:,.1f} MB, gradients {held['gradients'] / 1e6:,.1f} "
+            f"MB, optimizer state {held['optimizer_state'] / 1e6:,.1f} MB"
+            + (f" ({optimizer.sharded})" if optimizer.sharded else ""))
+    if held["bf16_sums"]:
+        line += f", bf16 gradients for the sums {held['bf16_sums'] / 1e6:,.1f} MB"
     in_use = world().allgather(model.backend.memory_in_use())
     if in_use[0] is not None:
         line += "; device memory in use " + ", ".join(f"{b / 1e9:.2f}" for b in in_use) + " GB (by rank)"

@@ -128,11 +128,11 @@ def evaluate(model, pairs: EncodedPairs, beta: float, batch_size: int) -> dict[s
 
 
 def loss_and_backward(model, loss_op, inputs, targets, reference: np.ndarray, beta: float,
-                      n_pairs: int | None = None, accumulate: bool = False) -> tuple[float, np.ndarray]:
+                      n_pairs: int | None = None, accumulate: bool = False, grads_ready=None) -> tuple[float, np.ndarray]:
     """The DPO loss of P pairs, rows (2P, T) = chosen rows then rejected rows, reference scores
     (P, 2), as their share of the mean over `n_pairs` pairs (default P: their mean); fills the
-    model's gradient buffer with its gradient (adds it, with `accumulate`). Returns the loss share
-    and the policy scores (P, 2)."""
+    model's gradient buffer with its gradient (adds it, with `accumulate`; the backward reports to
+    `grads_ready`, Model.forward_backward's). Returns the loss share and the policy scores (P, 2)."""
     be = model.backend
     P = len(reference)
     n_pairs = n_pairs or P
@@ -141,7 +141,7 @@ def loss_and_backward(model, loss_op, inputs, targets, reference: np.ndarray, be
     losses, saved = loss_op.forward(*args, beta=beta)
     d_chosen, d_rejected, _, _ = loss_op.backward(be.asarray(np.full(P, 1.0 / n_pairs)), saved, *args, beta=beta)
     d_rows = np.concatenate([be.to_host(d_chosen), be.to_host(d_rejected)])  # d loss / d (row's summed log-prob)
-    model.logprob_backward(inputs, targets, np.repeat(d_rows[:, None], inputs.shape[1], axis=1), accumulate)
+    model.logprob_backward(inputs, targets, np.repeat(d_rows[:, None], inputs.shape[1], axis=1), accumulate, grads_ready)
     return float(be.to_host(losses).sum() / n_pairs), scores
 
 
@@ -155,14 +155,15 @@ class DPOTrainer:
     def step(self, step: int) -> dict[str, float]:
         """One update on the pairs of `step` (every micro-batch of every rank); returns their loss,
         accuracy and margin."""
-        tc, comm, job = self.run.config, self.run.optimizer.comm, distributed.world()
-        n_pairs = rows_per_step(tc)
+        tc, optimizer, job = self.run.config, self.run.optimizer, distributed.world()
+        comm, n_pairs = optimizer.comm, rows_per_step(tc)
         loss, scores, reference = 0.0, [], []
         for k, part in enumerate(range(job.rank * tc.grad_accum, (job.rank + 1) * tc.grad_accum)):
             indices = epoch_indices(len(self.pairs), tc.seed, step * n_pairs + part * tc.batch_size, tc.batch_size)
             reference.append(self.pairs.reference[indices])
             share, part_scores = loss_and_backward(self.run.model, self.loss_op, *self.pairs.rows(indices), reference[-1],
-                                                   self.beta, n_pairs, accumulate=k > 0)
+                                                   self.beta, n_pairs, accumulate=k > 0,
+                                                   grads_ready=optimizer.grads_ready_hook(final=k == tc.grad_accum - 1))
             loss += share
             scores.append(part_scores)
         lr = lr_at(step, tc.lr, tc.warmup, tc.decay_steps, tc.final_lr_ratio)

@@ -74,7 +74,8 @@ class TrainConfig:
                                         # from its input (Model.recompute): less memory, the same gradients
     tie_embeddings: bool = False        # head 0 reads the embedding table (ModelConfig.tie_embeddings)
     grad_accum: int = 1                 # micro-batches of batch_size rows per optimizer step (on each rank)
-    zero: int = 0                       # 1: AdamW moments sharded over the data-parallel ranks (ZeRO-1)
+    zero: int = 0                       # 1: AdamW moments sharded over the data-parallel ranks (ZeRO-1);
+                                        # 2: and the summed gradients (ZeRO-2)
     grad_reduce: str = "fp32"           # what the gradients' sums over the ranks travel in: fp32 or bf16
     muon_lr: float | None = None        # Muon's peak learning rate (default: --lr), on the same schedule
     muon_momentum: float = 0.95         # Muon's momentum (Nesterov)
@@ -102,8 +103,9 @@ class TrainConfig:
             raise ValueError(f"--time-budget must be a positive number of minutes, got {self.time_budget}")
         if self.target_loss is not None and not (self.target_loss > 0 and math.isfinite(self.target_loss)):
             raise ValueError(f"--target-loss must be a positive number, got {self.target_loss}")
-        if self.zero not in (0, 1):
-            raise ValueError(f"--zero must be 0 (off) or 1 (sharded optimizer state), got {self.zero}")
+        if self.zero not in optim.ZERO:
+            raise ValueError(f"--zero must be 0 (off), 1 (sharded optimizer state) or 2 (and sharded gradients), "
+                             f"got {self.zero}")
         if self.grad_reduce not in optim.GRAD_REDUCE:
             raise ValueError(f"--grad-reduce must be one of {', '.join(optim.GRAD_REDUCE)}, got '{self.grad_reduce}'")
         for name in ("lr", "muon_lr"):
@@ -180,7 +182,7 @@ def make_optimizer(model: Model, tc: TrainConfig) -> Optimizer:
     comm = distributed.world().collectives(tc.backend)
     muon = {"momentum": tc.muon_momentum, "lr_ratio": (tc.muon_lr or tc.lr) / tc.lr} if tc.optimizer == "muon" else {}
     return optim.make_optimizer(tc.optimizer, model, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay,
-                                max_grad_norm=tc.grad_clip, comm=comm, zero=bool(tc.zero) and comm is not None,
+                                max_grad_norm=tc.grad_clip, comm=comm, zero=tc.zero if comm is not None else 0,
                                 grad_reduce=tc.grad_reduce, **muon)
 
 

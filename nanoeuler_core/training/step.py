@@ -44,9 +44,9 @@ class TrainStep:
             prepared = [model.prepare(inputs, targets, counts) for inputs, targets in batches]
 
             def step():
-                last = len(prepared) - 1   # whose backward may start the sums over the ranks
+                last = len(prepared) - 1   # whose backward completes the step's gradients
                 losses = [model.forward_backward(batch, accumulate=k > 0,
-                                                 grads_ready=self.optimizer.grads_ready_hook() if k == last else None)
+                                                 grads_ready=self.optimizer.grads_ready_hook(final=k == last))
                           for k, batch in enumerate(prepared)]
                 return losses, self.optimizer.update()
 

@@ -7,6 +7,11 @@ far (an event), runs the collective, and `wait()` makes the kernels' stream wait
 Inside a capture those events become the graph's edges, and the collectives run beside the rest
 of the backward.
 
+ZeRO-2's reduce onto a shard's owner adds the sum into the owner's gradient shard (`into`) by a
+kernel queued after it on the communication stream; `mark` records an event there, which
+`wait_for` makes the kernels' stream wait for: the backward reuses a bucket's memory once the
+sums that read it are done, not waiting for the later ones.
+
 A sum in bfloat16 (`wire`) runs on the communication stream too: a kernel rounds the float32
 values into the bf16 buffer, NCCL sums that buffer in place (ncclBfloat16), and a kernel writes
 the sums back as float32. nccl4py's Communicator reads a buffer's type from its array interface,
@@ -64,13 +69,18 @@ class NcclCollectives:
             self._in_bf16(buf, wire, lambda ptr: self.bindings.all_reduce(
                 ptr, ptr, wire.size, int(self.nccl.BFLOAT16), int(self.nccl.SUM), self._nccl_comm(), stream))
 
-    def reduce_sum_async(self, buf, root: int, wire=None) -> None:
+    def reduce_sum_async(self, buf, root: int, wire=None, into=None) -> None:
         stream = self._fork()
         if wire is None:
             self.comm.reduce(buf, buf, self.nccl.SUM, root, stream=stream)
         else:
             self._in_bf16(buf, wire, lambda ptr: self.bindings.reduce(
                 ptr, ptr, wire.size, int(self.nccl.BFLOAT16), int(self.nccl.SUM), root, self._nccl_comm(), stream))
+        if into is not None:   # into += the sum, after it on the communication stream
+            from nanoeuler_ops.cuda import add, runtime
+
+            with runtime.on_stream(self.side, capturing=runtime.capturing()):   # the add op's kernel, in place
+                runtime.launch(add._add, runtime.blocks_for(into.size, add.THREADS), add.THREADS, into, buf, into)
 
     def wait(self) -> None:
         if self._pending:
@@ -78,6 +88,14 @@ class NcclCollectives:
             self._joined.wait(self._main())
             self._pending = False
         self._record(self._timing[1])
+
+    def mark(self, marker=None):
+        marker = marker or self.cuda.event(timing=False)
+        marker.record(self.side)
+        return marker
+
+    def wait_for(self, marker) -> None:
+        marker.wait(self._main())
 
     def backward_done(self) -> None:
         self._record(self._timing[0])
