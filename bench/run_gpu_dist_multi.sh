@@ -7,8 +7,9 @@
 #   selfcheck  the communicator on every GPU count above 1: eager, captured, bucketed; all-reduce bandwidth
 #   steps      the captured step, `gpu` preset, 32 x 512 rows per GPU, bf16: 1 GPU, then every count with
 #              the all-reduce (overlapped with the backward, and not: OVERLAP_OFF="4" picks the counts)
-#              and with ZeRO-1; PyTorch DDP + compile + bf16 autocast on the same counts; scaling
-#              efficiency, ratio to DDP and memory per GPU (bench/dist_compare.py)
+#              and with ZeRO-1 and ZeRO-2; PyTorch DDP + compile + bf16 autocast on the same counts
+#              (PEERS=0 leaves it out); scaling efficiency, ratio to DDP and memory per GPU
+#              (bench/dist_compare.py)
 #   curves     the largest count against 1 GPU accumulating as many micro-batches of 16 rows, plain
 #              and ZeRO-1, STEPS steps on the bundled corpus: largest relative loss difference
 #   kill       kill -9 of rank 1 after KILL_AFTER steps: the job must end within seconds, the last
@@ -88,8 +89,9 @@ if wants steps; then
         run "$mpiexec" -n "$n" "${bench[@]}" --variant allreduce
         [[ $overlap_off == *" $n "* ]] && run "$mpiexec" -n "$n" "${bench[@]}" --variant allreduce --no-overlap
         run "$mpiexec" -n "$n" "${bench[@]}" --variant zero
+        run "$mpiexec" -n "$n" "${bench[@]}" --variant zero2
       fi
-      if [ "$backend" = cuda ]; then
+      if [ "$backend" = cuda ] && [ "${PEERS:-1}" = 1 ]; then
         run timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node "$n" bench/torch_ddp.py --preset "$preset" \
             --batch-size 32 --steps 30 --warmup 10
       fi
