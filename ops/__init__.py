@@ -35,7 +35,8 @@ class HostBackend(Backend):
 
     def asarray(self, host, storage=None):
         host = np.asarray(host)
-        dtype = self.dtype if host.dtype.kind == "f" else host.dtype
+        # float16 is a quantized matrix's scales and offsets (nanoeuler_core/quantized.py): kept so
+        dtype = self.dtype if host.dtype.kind == "f" and host.dtype != np.float16 else host.dtype
         return np.array(host, dtype=dtype, order="C", copy=True)
 
     def to_host(self, arr):
