@@ -2,9 +2,7 @@
 (docs/decoding.md, "Quantized weights").
 
 A matrix w (O, K) is cut, row by row, into groups of `group` consecutive weights; each group has a
-float16 scale, and in 4 bits a float16 offset too, as GGUF stores them (decoding reads every weight
-once a token: a 4-bit block's scale and offset are a fifth of its bytes in float16, a third in
-float32; matrices quantized with float32 scales and offsets are read as they are):
+float32 scale, and in 4 bits a float32 offset too:
 
     int8   q int8  (O, K)        w[o, k] = scale[o, k // group] * q[o, k]                  q in -127..127
     int4   q uint8 (O, K // 2)   w[o, k] = scale[o, k // group] * nibble[o, k] + zero[o, k // group]
@@ -58,10 +56,10 @@ def quantize(w: np.ndarray, fmt: str, group: int = 0, zero_point: bool = True):
     group = check_group(fmt, K, group)
     groups = w.reshape(O, K // group, group)
     if fmt == "int8":
-        scale = (np.abs(groups).max(axis=2) / 127.0).astype(np.float16)   # what the weights will be read with
-        inverse = np.divide(1.0, scale.astype(np.float64), out=np.zeros(scale.shape), where=scale > 0)
+        scale = np.abs(groups).max(axis=2) / 127.0
+        inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
         q = np.clip(np.rint(groups * inverse[..., None]), -127, 127).astype(np.int8).reshape(O, K)
-        return q, scale, np.zeros((O, 0), np.float16)
+        return q, scale.astype(np.float32), np.zeros((O, 0), np.float32)
     if zero_point:
         low, high = groups.min(axis=2), groups.max(axis=2)
         scale, zero = (high - low) / 15.0, low
@@ -69,8 +67,8 @@ def quantize(w: np.ndarray, fmt: str, group: int = 0, zero_point: bool = True):
         extreme = np.take_along_axis(groups, np.abs(groups).argmax(axis=2)[..., None], axis=2)[..., 0]
         scale = extreme / -8.0
         zero = -8.0 * scale
-    scale, zero = scale.astype(np.float16), zero.astype(np.float16)   # what the weights will be read with
-    inverse = np.divide(1.0, scale.astype(np.float64), out=np.zeros(scale.shape), where=scale != 0)
+    scale, zero = scale.astype(np.float32), zero.astype(np.float32)   # what the weights will be read with
+    inverse = np.divide(1.0, scale, out=np.zeros(scale.shape), where=scale != 0)
     nibbles = np.clip(np.rint((groups - zero[..., None]) * inverse[..., None]), 0, 15).astype(np.uint8)
     return pack4(nibbles.reshape(O, K)), scale, zero
 

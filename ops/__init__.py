@@ -35,8 +35,7 @@ class HostBackend(Backend):
 
     def asarray(self, host, storage=None):
         host = np.asarray(host)
-        # float16 is a quantized matrix's scales and offsets (nanoeuler_core/quantized.py): kept so
-        dtype = self.dtype if host.dtype.kind == "f" and host.dtype != np.float16 else host.dtype
+        dtype = self.dtype if host.dtype.kind == "f" else host.dtype
         return np.array(host, dtype=dtype, order="C", copy=True)
 
     def to_host(self, arr):

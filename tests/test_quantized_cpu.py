@@ -18,8 +18,7 @@ import pytest
 from nanoeuler_core import quantized
 from nanoeuler_core.registry import backend
 from nanoeuler_ops.cpu import lanes, norm_linear
-from nanoeuler_ops.cpu.common import half_value
-from nanoeuler_ops.cpu.row_products import THREADED_PRODUCTS, kernel_weights, quantized_matmul_rows, round_rows
+from nanoeuler_ops.cpu.row_products import THREADED_PRODUCTS, quantized_matmul_rows, round_rows
 
 # (format, group, zero point): per channel, GGUF's Q8_0, Q4_1 and Q4_0 blocks, and 4-bit groups of two blocks
 FORMATS = [("int8", 0, True), ("int8", 32, True), ("int4", 32, True), ("int4", 32, False), ("int4", 64, False)]
@@ -32,7 +31,7 @@ def _matrix(rng, O, K, fmt, group, zero_point):
 
 def _product(x, w, threads):
     out = np.full((x.shape[0], w[0].shape[0]), np.nan, np.float32)
-    quantized_matmul_rows(x, *kernel_weights(w), out, threads)
+    quantized_matmul_rows(x, *w, out, threads)
     return out
 
 
@@ -98,34 +97,6 @@ def test_int8_groups_and_rows_that_are_not_whole_blocks(K, group):
     200 and 45 weights (a last block of 8 or 13): those parts go through scalar integer sums."""
     rng = np.random.default_rng(1)
     _check_product(rng.standard_normal((2, K)).astype(np.float32), _matrix(rng, 9, K, "int8", group, True), threads=(1,))
-
-
-@numba.njit
-def _read_halves(bits, out):
-    for i in range(bits.size):
-        out[i] = half_value(bits[i])
-
-
-@pytest.mark.parametrize("fmt, group, zero_point", FORMATS)
-def test_float16_scales_give_the_bits_of_float32_scales_of_their_values(fmt, group, zero_point):
-    """`quantize` stores scales and offsets in float16, matrices quantized before in float32: the
-    kernels read either, and the same values give the same bits."""
-    rng = np.random.default_rng(4)
-    w = _matrix(rng, 13, 128, fmt, group, zero_point)
-    assert w[1].dtype == w[2].dtype == np.float16
-    x = rng.standard_normal((3, 128)).astype(np.float32)
-    assert np.array_equal(_product(x, w, 1), _product(x, (w[0], *(a.astype(np.float32) for a in w[1:])), 1))
-
-
-def test_every_float16_reads_as_its_float32_value():
-    """half_value turns each of the 65536 bit patterns into its value: normal, subnormal, zeros of
-    both signs, infinities; NaN stays NaN."""
-    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    out = np.zeros(bits.size, np.float32)
-    _read_halves(bits, out)
-    expected = bits.view(np.float16).astype(np.float32)
-    assert np.array_equal(out.view(np.uint32)[~np.isnan(expected)], expected.view(np.uint32)[~np.isnan(expected)])
-    assert np.isnan(out[np.isnan(expected)]).all()
 
 
 def test_products_of_extreme_integers():

@@ -77,11 +77,10 @@ def read_json(path: Path) -> dict:
 
 
 def tensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
-    """A safetensors file of float32 tensors (integer and float16 tensors keep their type: float16 is
-    a quantized matrix's scales and offsets), as bytes."""
+    """A safetensors file of float32 tensors (integer tensors keep their type), as bytes."""
     from safetensors.numpy import save
 
-    data = {name: np.ascontiguousarray(t, dtype=np.float32 if t.dtype.kind == "f" and t.dtype != np.float16 else t.dtype)
+    data = {name: np.ascontiguousarray(t, dtype=np.float32 if t.dtype.kind == "f" else t.dtype)
             for name, t in tensors.items()}
     return save(data, metadata={"format": "np", **(metadata or {})})
 

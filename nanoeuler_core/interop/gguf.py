@@ -157,18 +157,18 @@ def model_config_from_gguf(meta: dict, path: Path, n_mtp: int, ctx_len: int | No
 
 def quantized_matrix(kind: str, data: np.ndarray, shape: tuple[int, int]) -> tuple:
     """The Q8_0, Q4_0 or Q4_1 matrix `data` (its raw blocks) of shape (O, K) as (q, scale, zero) in
-    nanoeuler's int8 or int4 format: the same nibbles, bytes and float16 scales."""
+    nanoeuler's int8 or int4 format: the same nibbles and bytes, the float16 scales as float32."""
     O, K = shape
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(O, K // 32, -1)
 
     def half(at):   # a float16 of every block, at byte `at`
-        return blocks[..., at:at + 2].copy().view(np.float16)[..., 0]
+        return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
     d = half(0)
     if kind == "Q8_0":
-        return blocks[..., 2:].copy().view(np.int8).reshape(O, K), d, np.zeros((O, 0), np.float16)
+        return blocks[..., 2:].copy().view(np.int8).reshape(O, K), d, np.zeros((O, 0), np.float32)
     if kind == "Q4_0":
-        return blocks[..., 2:].reshape(O, K // 2).copy(), d, np.float16(-8.0) * d
+        return blocks[..., 2:].reshape(O, K // 2).copy(), d, np.float32(-8.0) * d
     return blocks[..., 4:].reshape(O, K // 2).copy(), d, half(2)
 
 

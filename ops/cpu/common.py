@@ -44,21 +44,6 @@ def _ordered(bits):
     return bits ^ ((bits >> np.int32(31)) & np.int32(0x7FFFFFFF))
 
 
-@njit
-def half_value(bits):
-    """The float32 value of the IEEE half-precision float whose bit pattern is the uint16 `bits`,
-    exactly (NumPy's float16, which Numba cannot read). Its exponent and fraction shifted to float32's
-    places read as a float32 2^112 times too small, subnormal halves included (they land on
-    subnormal float32s); inf and NaN get float32's top exponent instead."""
-    h = np.int32(bits)
-    shifted = (h & np.int32(0x7FFF)) << np.int32(13)
-    if h & np.int32(0x7C00) == np.int32(0x7C00):
-        magnitude = _float32_from_bits(shifted | np.int32(0x7F800000))
-    else:
-        magnitude = _float32_from_bits(shifted) * np.float32(2.0 ** 112)
-    return -magnitude if h & np.int32(0x8000) else magnitude
-
-
 @njit(inline="always")
 def max32(x, n):
     """The largest of x[0], ..., x[n - 1] (n >= 1; float32). Compared as integers in the floats'

@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from nanoeuler_core.quantized import QBLOCK
-from nanoeuler_ops.cpu.common import REDUCE_FASTMATH, half_value, threads_for
+from nanoeuler_ops.cpu.common import REDUCE_FASTMATH, threads_for
 from nanoeuler_ops.cpu.lanes import int8_dot, load_bytes, load_nibble_block, nibble_dot, prefetch, splat, total
 
 # Multiply-adds of a product from which sharing its outputs among the threads pays for waking them
@@ -106,23 +106,6 @@ def matmul_rows(x, w, out, threads):
 # tile at the end of an odd count recomputes the last output in its spare places.
 
 
-def kernel_weights(w) -> tuple:
-    """A weight argument as the kernels take it: float16 scales and offsets as their uint16 bit
-    patterns (views), which the kernels read through `_value`."""
-    return tuple(a.view(np.uint16) if a.dtype == np.float16 else a for a in w)
-
-
-def _value(a, o, j):
-    """a[o, j] as a float32: a scale or offset stored as float32, or as float16 bits (uint16)."""
-
-
-@overload(_value)
-def _value_of(a, o, j):
-    if a.dtype == types.uint16:
-        return lambda a, o, j: half_value(a[o, j])
-    return lambda a, o, j: a[o, j]
-
-
 @njit(inline="always")
 def _tile_rows(o, O):
     # the 4 outputs a tile from o computes: o, o + 1, ..., clamped to the last
@@ -187,10 +170,10 @@ def _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
                 prefetch(q, ahead)
                 prefetch(q, ahead + 64)
                 xb = load_bytes(xq, n * K + k)
-                a0 = splat(_value(scale, o0, j) * d[n, b]) * int8_dot(load_bytes(q, o0 * K + k), xb) + a0
-                a1 = splat(_value(scale, o1, j) * d[n, b]) * int8_dot(load_bytes(q, o1 * K + k), xb) + a1
-                a2 = splat(_value(scale, o2, j) * d[n, b]) * int8_dot(load_bytes(q, o2 * K + k), xb) + a2
-                a3 = splat(_value(scale, o3, j) * d[n, b]) * int8_dot(load_bytes(q, o3 * K + k), xb) + a3
+                a0 = splat(scale[o0, j] * d[n, b]) * int8_dot(load_bytes(q, o0 * K + k), xb) + a0
+                a1 = splat(scale[o1, j] * d[n, b]) * int8_dot(load_bytes(q, o1 * K + k), xb) + a1
+                a2 = splat(scale[o2, j] * d[n, b]) * int8_dot(load_bytes(q, o2 * K + k), xb) + a2
+                a3 = splat(scale[o3, j] * d[n, b]) * int8_dot(load_bytes(q, o3 * K + k), xb) + a3
             else:
                 i0 = i1 = i2 = i3 = 0
                 for i in range(k, stop):
@@ -198,10 +181,10 @@ def _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
                     i1 += q[o1, i] * xq[n, i]
                     i2 += q[o2, i] * xq[n, i]
                     i3 += q[o3, i] * xq[n, i]
-                r0 += _value(scale, o0, j) * d[n, b] * np.float32(i0)
-                r1 += _value(scale, o1, j) * d[n, b] * np.float32(i1)
-                r2 += _value(scale, o2, j) * d[n, b] * np.float32(i2)
-                r3 += _value(scale, o3, j) * d[n, b] * np.float32(i3)
+                r0 += scale[o0, j] * d[n, b] * np.float32(i0)
+                r1 += scale[o1, j] * d[n, b] * np.float32(i1)
+                r2 += scale[o2, j] * d[n, b] * np.float32(i2)
+                r3 += scale[o3, j] * d[n, b] * np.float32(i3)
             k = stop
     out[n, o0] = total(a0) + r0
     out[n, o1] = total(a1) + r1
@@ -250,17 +233,17 @@ def _blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o):
         p3 = db * _weights_dot(q, o3, b, xb) + p3
         left -= 1
         if left == 0:   # the group's end: its lanes times its scale
-            a0 = splat(_value(scale, o0, j)) * p0 + a0
-            a1 = splat(_value(scale, o1, j)) * p1 + a1
-            a2 = splat(_value(scale, o2, j)) * p2 + a2
-            a3 = splat(_value(scale, o3, j)) * p3 + a3
+            a0 = splat(scale[o0, j]) * p0 + a0
+            a1 = splat(scale[o1, j]) * p1 + a1
+            a2 = splat(scale[o2, j]) * p2 + a2
+            a3 = splat(scale[o3, j]) * p3 + a3
             p0 = p1 = p2 = p3 = zero_lanes
             j, left = j + 1, per_group
     for j in range(zero.shape[1]):
-        r0 += _value(zero, o0, j) * x_sums[n, j]
-        r1 += _value(zero, o1, j) * x_sums[n, j]
-        r2 += _value(zero, o2, j) * x_sums[n, j]
-        r3 += _value(zero, o3, j) * x_sums[n, j]
+        r0 += zero[o0, j] * x_sums[n, j]
+        r1 += zero[o1, j] * x_sums[n, j]
+        r2 += zero[o2, j] * x_sums[n, j]
+        r3 += zero[o3, j] * x_sums[n, j]
     out[n, o0] = total(a0) + r0
     out[n, o1] = total(a1) + r1
     out[n, o2] = total(a2) + r2
