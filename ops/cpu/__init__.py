@@ -2,11 +2,13 @@
 cached on disk so each signature compiles once per machine. Kernels: `nanoeuler_ops.cpu.<op>`."""
 
 import ctypes
+import functools
 import threading
 from contextlib import contextmanager
 
 import numpy as np
 
+from nanoeuler_core.registry import Impl
 from nanoeuler_ops import HostBackend
 
 
@@ -14,9 +16,72 @@ class CpuBackend(HostBackend):
     name = "cpu"
     dtype = np.float32
     kernel_packages = ("nanoeuler_ops.cpu",)
+    # Its capture saves the host's work on the ops, not the kernels': no queue for a step to run
+    # ahead on, and a padded prefill would compute more for nothing (registry.Backend.captures)
+    captures = False
 
     def __init__(self) -> None:
         self._outside_serial: dict[int, int] = {}   # thread id -> its thread count before its first serial block
+        self._local = threading.local()              # .recording: the calling thread's capture in progress, if any
+
+    # -------------------------------------------------------------------- captured work
+    # A decoding step is some 150 op calls on one token's data; their checks, allocations and calls
+    # through the registry cost the host a few milliseconds a token, a fifth of the step. A captured
+    # step is the kernels those calls launched, with the arrays they launched them on, launched again
+    # over the same arrays: the ops' Python runs once, at the capture.
+
+    def capture(self, fn):
+        """fn recorded as the kernels its ops launch (`launch`) and replayed by launching them again,
+        where every op fn calls launches all its work so (the decoding ops do); else replay is fn.
+        fn must be backend work only, as for any backend's capture: ops and `copy_`/`zero_` on
+        buffers that stay put. A replay runs with the threads the capture's kernels were given."""
+        recording = self._local.recording = _Recording()
+        try:
+            result = fn()
+        finally:
+            self._local.recording = None
+        if not recording.complete:
+            return fn, result
+        launches = tuple(recording.launches)
+
+        def replay():
+            for kernel, args in launches:
+                kernel(*args)
+            return result
+
+        return replay, result
+
+    def launch(self, kernel, *args) -> None:
+        """kernel(*args) (a kernel and its arrays), recorded for replay inside `capture`. A kernel
+        module launches through here all the work of an op it wants captured, and nothing else."""
+        recording = getattr(self._local, "recording", None)
+        if recording is not None:
+            recording.launches.append((kernel, args))
+        kernel(*args)
+
+    def kernels(self, op):
+        impl = super().kernels(op)
+        return impl and Impl(*(fn and self._checked(fn) for fn in (impl.forward, impl.backward)))
+
+    def _checked(self, fn):
+        """fn (an op's forward or backward), which inside a capture must launch some kernel, else the
+        capture is incomplete: an op that does its work otherwise is replayed by running fn again."""
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            recording = getattr(self._local, "recording", None)
+            if recording is None:
+                return fn(*args, **kwargs)
+            launched = len(recording.launches)
+            out = fn(*args, **kwargs)
+            recording.complete &= len(recording.launches) > launched
+            return out
+        return call
+
+    def zero_(self, arr) -> None:
+        self.launch(_zero, arr)
+
+    def copy_(self, dst, src) -> None:
+        self.launch(_assign, dst, src)
 
     def device_name(self) -> str:
         from nanoeuler_ops.cpu.common import pins_threads
@@ -81,6 +146,22 @@ class CpuBackend(HostBackend):
             numba.set_num_threads(threads)
             if outermost:
                 del self._outside_serial[me]
+
+
+class _Recording:
+    """A capture in progress: the launches so far, and whether every op so far launched its work."""
+
+    def __init__(self) -> None:
+        self.launches: list = []
+        self.complete = True
+
+
+def _zero(arr) -> None:
+    arr[...] = 0
+
+
+def _assign(dst, src) -> None:
+    dst[...] = src
 
 
 _PINNED: list = []      # [whether Numba's threads were bound to cores (common.pin_threads)], once tried

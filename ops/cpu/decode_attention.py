@@ -11,6 +11,7 @@ from functools import lru_cache
 import numpy as np
 from numba import njit, prange
 
+from nanoeuler_ops.cpu import BACKEND
 from nanoeuler_ops.cpu.common import REDUCE_FASTMATH, exp32
 from nanoeuler_ops.decode_attention import check_shapes
 from nanoeuler_ops.qkv_rope import cos_sin
@@ -123,5 +124,6 @@ def forward(qkv, k_cache, v_cache, pos, *, n_kv_heads, theta):
     S, H = k_cache.shape[1], heads - 2 * n_kv_heads
     cos, sin = _tables(S, D, float(theta))
     o = np.empty((B, T, H, D), dtype=qkv.dtype)
-    _forward(qkv, k_cache, v_cache, pos, cos, sin, o, np.empty(D, dtype=qkv.dtype), np.empty(S, dtype=qkv.dtype))
+    BACKEND.launch(_forward, qkv, k_cache, v_cache, pos, cos, sin, o, np.empty(D, dtype=qkv.dtype),
+                   np.empty(S, dtype=qkv.dtype))
     return o, ()

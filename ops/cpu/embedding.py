@@ -3,6 +3,7 @@
 import numpy as np
 from numba import njit, prange
 
+from nanoeuler_ops.cpu import BACKEND
 from nanoeuler_ops.embedding import check_ids
 
 
@@ -36,7 +37,7 @@ def _backward(order, starts, dout, dtable, accumulate):
 def forward(ids, table):
     check_ids(ids, table.shape[0])
     out = np.empty((ids.shape[0], table.shape[1]), dtype=table.dtype)
-    _forward(ids.astype(np.int64, copy=False), table, out)
+    BACKEND.launch(_forward, ids, table, out)   # ids of any integer type: no copy a replay would miss
     return out, ()
 
 

@@ -18,12 +18,25 @@ def _add(r, y):
             y[n, o] += r[n, o]
 
 
+@njit(cache=True)
+def _forward(x, r, w, y, threads):
+    # x (N, I), r (N, O), w (O, I) -> y (N, O) = r + x @ w.T
+    matmul_rows(x, w, y, threads)
+    _add(r, y)
+
+
+@njit(cache=True)
+def _forward_quantized(x, r, q, scale, zero, y, threads):
+    # _forward with w quantized (q, scale, zero)
+    quantized_matmul_rows(x, q, scale, zero, y, threads)
+    _add(r, y)
+
+
 def forward(x, r, *w):
     check_shapes(x, r, *w)
     y = np.empty(r.shape, dtype=r.dtype)
     if len(w) == 1:
-        matmul_rows(x, w[0], y, BACKEND.threads())
+        BACKEND.launch(_forward, x, r, w[0], y, BACKEND.threads())
     else:
-        quantized_matmul_rows(x, *w, y, BACKEND.threads())
-    _add(r, y)
+        BACKEND.launch(_forward_quantized, x, r, *w, y, BACKEND.threads())
     return y, ()

@@ -29,7 +29,7 @@ def forward(x, g, *w, eps):
     h = np.empty(x.shape, dtype=x.dtype)
     y = np.empty((x.shape[0], w[0].shape[0]), dtype=x.dtype)
     if len(w) == 1:
-        _forward(x, g, w[0], np.float32(eps), h, y, BACKEND.threads())
+        BACKEND.launch(_forward, x, g, w[0], np.float32(eps), h, y, BACKEND.threads())
     else:
-        _forward_quantized(x, g, *w, np.float32(eps), h, y, BACKEND.threads())
+        BACKEND.launch(_forward_quantized, x, g, *w, np.float32(eps), h, y, BACKEND.threads())
     return y, ()

@@ -62,7 +62,7 @@ def forward(x, g, *w, eps):
     gate_up = np.empty((N, 2 * F), dtype=x.dtype)
     y = np.empty((N, F), dtype=x.dtype)
     if len(w) == 1:
-        _forward(x, g, w[0], np.float32(eps), h, gate_up, y, BACKEND.threads())
+        BACKEND.launch(_forward, x, g, w[0], np.float32(eps), h, gate_up, y, BACKEND.threads())
     else:
-        _forward_quantized(x, g, *w, np.float32(eps), h, gate_up, y, BACKEND.threads())
+        BACKEND.launch(_forward_quantized, x, g, *w, np.float32(eps), h, gate_up, y, BACKEND.threads())
     return y, ()

@@ -6,6 +6,7 @@ import numpy as np
 from numba import njit
 
 from nanoeuler_ops import sample as spec
+from nanoeuler_ops.cpu import BACKEND
 from nanoeuler_ops.sample import STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_SAMPLE, check_args
 
 _uniform = njit(cache=True)(spec.uniform)
@@ -127,6 +128,7 @@ def forward(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, to
     check_args(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, mask)
     V = logits.shape[3]
     accepted = np.empty(logits.shape[0], dtype=np.int64)
-    _sample(logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, mask, int(max_pos), accepted,
-            np.empty(V, dtype=logits.dtype), np.empty(V, dtype=logits.dtype), np.empty(V, dtype=logits.dtype))
+    BACKEND.launch(_sample, logits, tokens, drafts, seeds, counters, pos, temperature, top_k, top_p, mask, int(max_pos),
+                   accepted, np.empty(V, dtype=logits.dtype), np.empty(V, dtype=logits.dtype),
+                   np.empty(V, dtype=logits.dtype))
     return accepted, ()
