@@ -8,8 +8,9 @@ at once, and sums each chunk in element order; the warp adds its lanes by a fixe
 Rows go in groups of R (`row_group`: 1 for a lone row, ROWS for a few, MANY_ROWS for a slice), the
 weights read once a group.
 bf16 weights, tensor-core kernels (mma.sync m16n8k16): a block per TILE = 16 output columns (the
-A operand), GROUP = 8 rows of x at a time (B, each row as hi + lo bf16 parts), its warps splitting
-the features BLOCK = 32 at a time; the warps' sums meet in shared memory, added in warp order.
+A operand), GROUP = 8 rows of x at a time (B, each row as hi + lo bf16 parts), a slice's groups
+through each trip of weights together (`tile_groups`), its warps splitting the features BLOCK = 32
+at a time; the warps' sums meet in shared memory, added in warp order.
 Quantized weights (int8, int4), one kernel for the three ops on the float32 layout (`quantized_rows`):
 each block rounds x to int8 by blocks of 32 into shared memory (after the norm), and a lane's 16-byte
 load of 16 int8 weights or 32 int4 multiplies x's bytes by dp4a, four products an instruction.
@@ -155,7 +156,7 @@ def dot(total, a, b):
 # operands, hi + lo (x's first 16 significant bits of its 24): the products of bf16 weights with
 # them are exact, added in float32 (hi's and lo's sums apart). The warps' sums then meet in shared
 # memory, added in warp order: the same operations in the same order for a row alone or among
-# others, with one kernel for every number of rows. A block's warps (NORM_WARPS, linear_residual's
+# others, whichever kernel (one group, or a slice's four at once) and block compute it. A block's warps (NORM_WARPS, linear_residual's
 # MMA_WARPS) split the features; 16 columns a block rather than 8 (twice the blocks, each holding
 # as many registers) keeps more of the GPU's registers busy with loads in flight.
 
@@ -261,11 +262,22 @@ def no_sums():
 
 
 @cuda.jit(device=True, inline=True)
-def share_sums(sums, slot, warp, acc):
-    """Leave this lane's four results (its D fragment: hi's sums + lo's) in sums[warp, slot]."""
+def sums_at(warp, slot, k, lane, slots):
+    """Where lane `lane`'s result k of `slot` lies in a block's shared sums, (warps, slots, 4, WARP) flat."""
+    return ((warp * slots + slot) * 4 + k) * WARP + lane
+
+
+def sums_bytes(warps: int, slots: int) -> int:
+    """The dynamic shared memory of a block's sums (`share_sums`): `slots` results of `warps` warps."""
+    return 4 * warps * slots * 4 * WARP
+
+
+@cuda.jit(device=True, inline=True)
+def share_sums(sums, slot, slots, warp, acc):
+    """Leave this lane's four results (its D fragment: hi's sums + lo's) at `slot` of the block's sums."""
     lane = cuda.threadIdx.x % WARP
     for k in range(4):
-        sums[warp, slot, k, lane] = acc[0][k] + acc[1][k]
+        sums[sums_at(warp, slot, k, lane, slots)] = acc[0][k] + acc[1][k]
 
 
 @cuda.jit(device=True, inline=True)
@@ -286,17 +298,17 @@ def tile_entry(e):
 
 
 @cuda.jit(device=True, inline=True)
-def warps_total(sums, slot, lane, k, warps):
+def warps_total(sums, slot, slots, lane, k, warps):
     """The `warps` warps' sums (share_sums) of one result, added in warp order."""
     total = float32(0.0)
     for warp in range(warps):
-        total += sums[warp, slot, k, lane]
+        total += sums[sums_at(warp, slot, k, lane, slots)]
     return total
 
 
 @cuda.jit(device=True, inline=True)
 def row_rstd(squares, n, features, eps, warps):
-    """1 / the root mean square of row n of the group, from the `warps` warps' sums of squares (share_squares)."""
+    """1 / the root mean square of the block's row n, from the `warps` warps' sums of squares (share_squares)."""
     total = float32(0.0)
     for warp in range(warps):
         total += squares[warp, n]
@@ -312,64 +324,97 @@ def swiglu(gate, up):
 
 NORM_WARPS = 8   # warps of a norm_tiles block
 NORM_TRIP = 3   # blocks of features a warp asks for at once: 8 warps x 3 x 32, the `gpu` preset's 768
+SLICE_GROUPS = 4   # groups of rows in a slice (SLICE / GROUP), written out in the kernels: a loop over
+                   # them that the compiler left rolled would index their sums at run time (local memory)
+
+
+def tile_groups(N: int) -> tuple:
+    """The tensor-core kernels' `groups` argument for N rows: a tuple of G zeros, G the groups of
+    GROUP rows a block multiplies at once, 1 for a step's few rows (N <= GROUP: one group's sums in
+    registers), else a slice's SLICE_GROUPS (a constant when a kernel compiles, as `row_group`'s R)."""
+    return (int32(0),) * (1 if N <= GROUP else SLICE_GROUPS)
+
+
+@cuda.jit(device=True, inline=True)
+def norm_group_trip(acc, sum_squares, weights, x, g, row, c0, warp, t, T):
+    """A group's sums (acc: the T matrices' `no_sums`) and its row's sum of squares, plus the products
+    of a trip of weights with features c0.. of the group's rows (this lane's: `row`)."""
+    first, second = acc
+    for j in range(NORM_TRIP):
+        v, sum_squares = normed_chunk(x, g, row, trip_feature(c0, j, warp, t, NORM_WARPS), sum_squares)
+        first = mma_block(first, weights[0], j, v)
+        if T == 2:
+            second = mma_block(second, weights[1], j, v)
+    return (first, second), sum_squares
+
+
+@cuda.jit(device=True, inline=True)
+def share_norm_group(sums, squares, group, G, T, warp, i, t, acc, sum_squares):
+    """A group's sums and sums of squares (norm_group_trip) into the block's shared memory."""
+    for tile in range(T):
+        share_sums(sums, group * T + tile, G * T, warp, acc[tile])
+    share_squares(squares, warp, group * GROUP + i, t, sum_squares)
 
 
 @cuda.jit(cache=True)
-def norm_tiles(x, g, w, features, eps, tiles, y):
+def norm_tiles(x, g, w, features, eps, tiles, groups, y):
     # x (N, C), g (1, C), w (T O, C) bf16 -> y (N, O), C >= features (the rest zeros), T = len(tiles):
     # 1, y = rmsnorm(x; g) @ w.T (norm_linear); 2, y = swiglu of rmsnorm(x; g) @ w[:O].T and @ w[O:].T
-    # (norm_swiglu). Block (b, s) computes y[:, 16b:16b+16] of slice s's rows on the tensor cores,
-    # GROUP rows at a time.
+    # (norm_swiglu). Block (b, s) computes y[:, 16b:16b+16] of slice s's rows on the tensor cores, its
+    # G = len(groups) groups of GROUP rows through each trip of weights before the next trip; the
+    # warps' sums in dynamic shared memory, sums_bytes(NORM_WARPS, T G).
     N, C = x.shape
     O = y.shape[1]
-    T = len(tiles)
+    T, G = len(tiles), len(groups)
     warp, i, t = mma_lane()
     top, bottom = tile_rows(w[:O], cuda.blockIdx.x * TILE, i)
     weights = cuda.local.array((2, NORM_TRIP, 8), uint32)
-    sums = cuda.shared.array((NORM_WARPS, 2, 4, WARP), float32)
-    squares = cuda.shared.array((NORM_WARPS, GROUP), float32)
+    sums = cuda.shared.array(0, float32)
+    squares = cuda.shared.array((NORM_WARPS, SLICE), float32)
     let_next_start()
     stride = NORM_WARPS * NORM_TRIP * BLOCK
     lo, hi = slice_rows(N)
-    for r0 in range(lo, hi, GROUP):
-        first = second = no_sums()
-        sum_squares = float32(0.0)
-        for c0 in range(0, C, stride):   # loads first
-            if load_trip(c0, 0, r0 == lo, C, stride):
-                for j in range(NORM_TRIP):
-                    c = trip_feature(c0, j, warp, t, NORM_WARPS)
-                    for tile in range(T):
-                        load_words(weights[tile], j, w, tile * O + top, tile * O + bottom, c)
-            if r0 == lo and c0 == 0:   # the first trip's weights were asked for before
-                wait_for_previous()
-            for j in range(NORM_TRIP):
-                v, sum_squares = normed_chunk(x, g, r0 + i, trip_feature(c0, j, warp, t, NORM_WARPS), sum_squares)
-                first = mma_block(first, weights[0], j, v)
-                if T == 2:
-                    second = mma_block(second, weights[1], j, v)
-        share_sums(sums, 0, warp, first)
-        if T == 2:
-            share_sums(sums, 1, warp, second)
-        share_squares(squares, warp, i, t, sum_squares)
-        cuda.syncthreads()
-        for e in range(cuda.threadIdx.x, TILE * GROUP, NORM_WARPS * WARP):
-            col, m, lane, k = tile_entry(e)
-            o, n = cuda.blockIdx.x * TILE + col, r0 + m
-            if o < O and n < N:
-                rstd = row_rstd(squares, m, features, eps, NORM_WARPS)
-                total = warps_total(sums, 0, lane, k, NORM_WARPS) * rstd
-                if T == 2:
-                    total = swiglu(total, warps_total(sums, 1, lane, k, NORM_WARPS) * rstd)
-                y[n, o] = stored(y, total)
-        cuda.syncthreads()   # before the next group's sums
+    acc0 = acc1 = acc2 = acc3 = (no_sums(), no_sums())
+    squares0 = squares1 = squares2 = squares3 = float32(0.0)
+    for c0 in range(0, C, stride):   # loads first
+        for j in range(NORM_TRIP):
+            c = trip_feature(c0, j, warp, t, NORM_WARPS)
+            for tile in range(T):
+                load_words(weights[tile], j, w, tile * O + top, tile * O + bottom, c)
+        if c0 == 0:   # the first trip's weights were asked for before
+            wait_for_previous()
+        acc0, squares0 = norm_group_trip(acc0, squares0, weights, x, g, lo + i, c0, warp, t, T)
+        if G > 1:   # groups past the slice's rows are skipped by every warp
+            if lo + GROUP < hi:
+                acc1, squares1 = norm_group_trip(acc1, squares1, weights, x, g, lo + GROUP + i, c0, warp, t, T)
+            if lo + 2 * GROUP < hi:
+                acc2, squares2 = norm_group_trip(acc2, squares2, weights, x, g, lo + 2 * GROUP + i, c0, warp, t, T)
+            if lo + 3 * GROUP < hi:
+                acc3, squares3 = norm_group_trip(acc3, squares3, weights, x, g, lo + 3 * GROUP + i, c0, warp, t, T)
+    share_norm_group(sums, squares, 0, G, T, warp, i, t, acc0, squares0)
+    if G > 1:
+        share_norm_group(sums, squares, 1, G, T, warp, i, t, acc1, squares1)
+        share_norm_group(sums, squares, 2, G, T, warp, i, t, acc2, squares2)
+        share_norm_group(sums, squares, 3, G, T, warp, i, t, acc3, squares3)
+    cuda.syncthreads()
+    for e in range(cuda.threadIdx.x, TILE * GROUP * G, NORM_WARPS * WARP):
+        group = e // (TILE * GROUP)
+        col, m, lane, k = tile_entry(e % (TILE * GROUP))
+        o, n = cuda.blockIdx.x * TILE + col, lo + group * GROUP + m
+        if o < O and n < hi:
+            rstd = row_rstd(squares, group * GROUP + m, features, eps, NORM_WARPS)
+            total = warps_total(sums, group * T, G * T, lane, k, NORM_WARPS) * rstd
+            if T == 2:
+                total = swiglu(total, warps_total(sums, group * T + 1, G * T, lane, k, NORM_WARPS) * rstd)
+            y[n, o] = stored(y, total)
 
 
 def launch_norm_tiles(x, g, w, eps, tiles: int, y) -> None:
     """norm_tiles on x, g and w (bf16) into y, T = tiles matrices stacked in w."""
+    groups = tile_groups(x.shape[0])
     runtime.launch(norm_tiles, (runtime.blocks_for(y.shape[1], TILE), row_slices(x.shape[0])), NORM_WARPS * WARP,
-                   in_chunks(x), in_chunks(g), in_chunks(w), x.shape[1], float32(eps), (int32(0),) * tiles, y,
-                   overlap=True)
-
+                   in_chunks(x), in_chunks(g), in_chunks(w), x.shape[1], float32(eps), (int32(0),) * tiles, groups, y,
+                   shared_bytes=sums_bytes(NORM_WARPS, tiles * len(groups)), overlap=True)
 
 
 # ---------------------------------------------------------------- quantized weights
