@@ -321,13 +321,31 @@ def matrix_op_inputs(name, rng, N, C, O):
 def test_bf16_weights_give_the_cpus_products_and_rows_alone(name):
     """With the decoder's bf16 weights and float32 rows, the CUDA kernels (the simulator's twins of
     the tensor-core products here) give the CPU's results on the same weights, within float32's
-    sums; and a row is bit for bit the same alone as the 9th of 9 (a second group of 8 rows)."""
-    inputs, attrs = matrix_op_inputs(name, np.random.default_rng(3), 9, 200, 20)
+    sums; and a row is bit for bit the same alone as the 9th of 41 (a second group of 8 rows) or the
+    38th (a second slice of 32 rows, on blocks of its own)."""
+    inputs, attrs = matrix_op_inputs(name, np.random.default_rng(3), 41, 200, 20)
     cuda, cpu = (run_with_bf16_weights(name, inputs, attrs, backend) for backend in ("cuda", "cpu"))
     assert np.linalg.norm(cuda - cpu) <= 2e-5 * np.linalg.norm(cpu)
-    alone = run_with_bf16_weights(name, tuple(x[8:] if x.ndim == 2 and x.shape[0] == 9 else x for x in inputs),
-                                  attrs, "cuda")
-    assert np.array_equal(alone[0], cuda[8])
+    for n in (8, 37):
+        alone = run_with_bf16_weights(name, tuple(x[n:n + 1] if x.ndim == 2 and x.shape[0] == 41 else x
+                                                  for x in inputs), attrs, "cuda")
+        assert np.array_equal(alone[0], cuda[n])
+
+
+@pytest.mark.parametrize("name", list(MATRIX_OPS))
+def test_float32_weights_give_rows_alone_in_any_slice(name):
+    """With float32 weights, the CUDA kernels give a row bit for bit the same alone (the kernel of
+    one row), among 9 (groups of 4) and among 40 (groups of 8, a second slice of 32 rows)."""
+    inputs, attrs = matrix_op_inputs(name, np.random.default_rng(4), 40, 72, 6)
+    op = registry.op(name)
+    many = run_backend(op, "cuda", inputs, attrs)[0][0]
+    few = run_backend(op, "cuda", tuple(x[:9] if x.ndim == 2 and x.shape[0] == 40 else x for x in inputs),
+                      attrs)[0][0]
+    assert np.array_equal(few, many[:9])
+    for n in (4, 37):
+        alone = run_backend(op, "cuda", tuple(x[n:n + 1] if x.ndim == 2 and x.shape[0] == 40 else x
+                                              for x in inputs), attrs)[0][0]
+        assert np.array_equal(alone[0], many[n])
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])

@@ -76,6 +76,16 @@ def test_quantized_kernels_give_the_reference_and_rows_alone(name, fmt, group, z
         assert np.array_equal(alone[0], together[4]), precision
 
 
+@pytest.mark.parametrize("name", OPS)
+def test_rows_of_two_slices(name):
+    """40 rows are two slices of 32 (blocks of their own), in groups of 8: the reference's results,
+    and rows of either slice the same alone as among the 40."""
+    inputs, attrs = op_inputs(name, np.random.default_rng(5), 40, 128, 5, "int4", 32)
+    together = check_against_reference(name, inputs, attrs, "fp32")
+    for n in (9, 37):
+        assert np.array_equal(run(name, rows(name, inputs, slice(n, n + 1)), attrs, "cuda")[0], together[n])
+
+
 @pytest.mark.parametrize("group", [0, 16])
 @pytest.mark.parametrize("name", OPS)
 def test_a_rows_last_block_may_be_shorter(name, group):

@@ -234,14 +234,17 @@ attend, combine = decode_attention._kernels(64)
 decoding = {"attend": (attend, (flat,) * 3 + (i64,) * 5 + (ints,) + (flat,) * 5, None),
             "combine": (combine, (flat,) * 3 + (ints,) + (i64,) * 4 + (flat,), None)}
 # the matrix products on the tensor cores: norm_tiles as norm_swiglu's, two matrices (norm_linear's
-# is its first half), and linear_residual's, both reading their operands by 16-byte loads
+# is its first half), and linear_residual's, both reading their operands by 16-byte loads, a slice's
+# four groups of rows at once with every group's sums in registers (no local memory)
+groups = types.UniTuple(types.int32, 4)
 decoding["norm_tiles"] = (row_products.norm_tiles, (rows, rows, bf16_rows, i64, f32, types.UniTuple(types.int32, 2),
-                                                    rows), "mma.sync")
-decoding["linear_residual mma"] = (linear_residual._forward_mma, (rows, bf16_rows, rows, rows), "mma.sync")
+                                                    groups, rows), "mma.sync")
+decoding["linear_residual mma"] = (linear_residual._forward_mma, (rows, bf16_rows, rows, groups, rows), "mma.sync")
 for name, (kernel, argtypes, instruction) in decoding.items():
     ptx, _ = compile_ptx(kernel.py_func, argtypes, cc=(9, 0))
     assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx, name
-    assert instruction is None or (instruction in ptx and "ld.global.nc.v4" in ptx), name
+    assert instruction is None or (instruction in ptx and "ld.global.nc.v4" in ptx and "ld.local" not in ptx
+                                   and "st.local" not in ptx), name
     print("compiled decoding", name)
 """
 

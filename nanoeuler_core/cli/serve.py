@@ -35,6 +35,9 @@ def serve(
     request_timeout: Optional[float] = typer.Option(None, help="seconds a request may take from its arrival: then "
                                                                "it ends (HTTP 504, or a stream's error event)"),
     shutdown_grace: float = typer.Option(30.0, help="seconds running requests get to finish on SIGTERM or Ctrl-C"),
+    prefix_cache_tokens: Optional[int] = typer.Option(None, help="tokens of keys and values kept for later prompts "
+                                                                 "that begin the same way (default: as many as the "
+                                                                 "rows' cache, max-batch x the context; 0: none)"),
 ) -> None:
     """Serve the model in RUN_DIR: an OpenAI-compatible API (POST /v1/completions and
     /v1/chat/completions, streamed or not, with log-probabilities; GET /v1/models, /health,
@@ -51,6 +54,8 @@ def serve(
     if max_request_bytes < 1 or (request_timeout is not None and request_timeout <= 0) or shutdown_grace < 0:
         raise ValueError(f"--max-request-bytes and --request-timeout must be positive and --shutdown-grace at least 0, "
                          f"got {max_request_bytes}, {request_timeout} and {shutdown_grace}")
+    if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
+        raise ValueError(f"--prefix-cache-tokens must be 0 (no prefix cache) or more, got {prefix_cache_tokens}")
     operations = Operations(api_key or None, max_request_bytes, request_timeout, shutdown_grace)
     model, tok = load_model(run_dir, backend)
     chat_template = ChatTemplate.for_run(run_dir, template)
@@ -59,7 +64,7 @@ def serve(
     name = Path(run_dir).resolve().name
     created = int((Path(run_dir) / "config.json").stat().st_mtime)
     app = create_app(ServedModel(model, tok, name, chat_template, created), max_batch, max_queue, speculative,
-                     decode_weights, operations)
+                     decode_weights, operations, prefix_cache_tokens)
     sock = listen(host, port)
     address = sock.getsockname()
     url = f"http://{host if ':' not in host else f'[{host}]'}:{address[1]}"

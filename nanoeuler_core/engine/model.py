@@ -361,12 +361,11 @@ class Model:
     # ----------------------------------------------------------------------------------------
     # forward
 
-    def _forward(self, ids, B: int, T: int, keep: str | None = None, weights=None, on_block=None):
+    def _forward(self, ids, B: int, T: int, keep: str | None = None, weights=None):
         """ids (N,) on the backend -> final hidden state (N, C) (after the final norm), what each
         block keeps for its backward (keep="cache": its BlockCache; "input": its BlockInput alone,
         for recomputation; None: nothing), and the first norm's input and rstd. `weights`: a
-        weight_set (default: the model's compute weights); on_block(i, BlockCache) runs after
-        block i."""
+        weight_set (default: the model's compute weights)."""
         w = weights or self.forward_weights
         f, eps = w.ops, self.cfg.norm_eps
         x, _ = f.embedding.forward(ids, w.tok_emb)
@@ -378,17 +377,8 @@ class Model:
             x, h_attn, cache = self._block_forward(i, block_input, B, T, w)
             if keep is not None:
                 kept.append(cache if keep == "cache" else block_input)
-            if on_block is not None:
-                on_block(i, cache)
             del cache   # unless kept, a block's cache is gone before the next block runs
         return h_attn, kept, first_saved
-
-    def run_blocks(self, ids, T: int, weights, on_block) -> None:
-        """One row's tokens ids (T,) on the backend, from position 0, through the blocks with
-        `weights` (a weight_set), calling on_block(i, BlockCache) after block i: how decoding
-        prefills a prompt (matrix products over the whole prompt), taking each block's keys and
-        values and the last block's output from its cache."""
-        self._forward(ids, 1, T, weights=weights, on_block=on_block)
 
     def _block_forward(self, i: int, inp: BlockInput, B: int, T: int, weights=None):
         """Block i from its input -> the next block's input x (N, C), its normalised copy h (the

@@ -90,11 +90,14 @@ def _json(content, status: int = 200) -> Response:
 
 
 def create_app(served: ServedModel, max_batch: int = 8, max_queue: int = 64, speculative: bool = False,
-               weights: str | None = None, operations: Operations = Operations()) -> Starlette:
+               weights: str | None = None, operations: Operations = Operations(),
+               prefix_cache_tokens: int | None = None) -> Starlette:
     """The ASGI app serving `served` through a Scheduler of `max_batch` rows, at most `max_queue`
-    requests waiting (the scheduler starts and stops with the app's lifespan), guarded as
-    `operations` says. `app.state.drain()` begins shutting down (thread-safe)."""
-    api = _Api(served, Scheduler(served.model, served.tok, max_batch, max_queue, speculative, weights), operations)
+    requests waiting, a prefix cache of `prefix_cache_tokens` (None: the decoder's default; the
+    scheduler starts and stops with the app's lifespan), guarded as `operations` says.
+    `app.state.drain()` begins shutting down (thread-safe)."""
+    api = _Api(served, Scheduler(served.model, served.tok, max_batch, max_queue, speculative, weights,
+                                 prefix_cache_tokens), operations)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

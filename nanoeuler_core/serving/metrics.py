@@ -8,12 +8,14 @@
     nanoeuler_inter_token_latency_seconds             between a choice's successive pieces of text (histogram)
     nanoeuler_queue_depth                             requests waiting for a row
     nanoeuler_rows_busy, nanoeuler_rows               rows decoding, rows in all
+    nanoeuler_prefix_cache_hits_total                 prompts whose prefill began from the prefix cache
+    nanoeuler_prefix_cache_tokens_total               prompt tokens whose keys and values it gave
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -47,7 +49,7 @@ class Metrics:
 
 
 class _SchedulerCollector:
-    """The scheduler's load, as it is at the scrape."""
+    """The scheduler's load and its prefix cache's hits, as they are at the scrape."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
@@ -58,3 +60,8 @@ class _SchedulerCollector:
                                   ("nanoeuler_rows_busy", "rows decoding", load["active"]),
                                   ("nanoeuler_rows", "rows decoded at once (--max-batch)", load["rows"])):
             yield GaugeMetricFamily(name, what, value=value)
+        prefix = self.scheduler.prefix_stats()
+        yield CounterMetricFamily("nanoeuler_prefix_cache_hits", "prompts whose prefill began from the prefix cache",
+                                  value=prefix["prefix_cache_hits"])
+        yield CounterMetricFamily("nanoeuler_prefix_cache_tokens", "prompt tokens whose keys and values the prefix "
+                                  "cache gave", value=prefix["prefix_tokens_reused"])

@@ -13,8 +13,11 @@ a row of its own with seed + i, so it is exactly what `generate(prompt, seed=see
 (the decoding ops are batch-invariant and each row has its own random stream).
 
 The loop, on its own thread (the server's event loop stays free): read the messages that came in
-(new jobs, cancellations), admit waiting choices into free rows (the lowest first, each prefilled
-alone), run one step of every active row, then for each row turn its new tokens into text (whole
+(new jobs, cancellations), start waiting choices in free rows (the lowest first, as many as the
+decoder has staging rows for), run one chunk of the prompts being prefilled (at most
+PREFILL_TOKENS tokens over them all, after the longest prefix the decoder's prefix cache holds:
+docs/decoding.md, "Prefill"), then one step of every active row, so that a long prompt or many
+new ones never stall the rows decoding; then for each row turn its new tokens into text (whole
 UTF-8 characters), look for the stop strings, and send the text on; a row is retired when its
 choice ends (max_tokens: "length"; the end-of-text or end-of-turn token, or a stop string: "stop")
 or its job is cancelled. Choices wait in arrival order; a job counts against max_queue until its
@@ -172,11 +175,11 @@ class Scheduler:
     """Continuous batching over one Decoder of `max_batch` rows (see the module docstring)."""
 
     def __init__(self, model, tok, max_batch: int, max_queue: int, speculative: bool = False,
-                 weights: str | None = None):
+                 weights: str | None = None, prefix_cache_tokens: int | None = None):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         self.tok, self.max_batch, self.max_queue = tok, max_batch, max_queue
-        self.decoder = Decoder(model, max_batch, speculative, weights=weights)
+        self.decoder = Decoder(model, max_batch, speculative, weights=weights, prefix_cache_tokens=prefix_cache_tokens)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Choice] = collections.deque()
         self._rows: dict[int, _Choice] = {}           # row -> the choice decoding in it
@@ -227,6 +230,11 @@ class Scheduler:
         self._inbox.put(("close", None))
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def prefix_stats(self) -> dict:
+        """The decoder's prefix cache counts (PrefixCache.stats: prefix_cache_hits, prefix_tokens_reused,
+        ...), for a server's metrics; read from any thread (counters only)."""
+        return self.decoder.prefix_cache.stats()
 
     def load(self) -> dict:
         """Rows in use and jobs waiting, for /health."""
@@ -298,18 +306,23 @@ class Scheduler:
             self._fail(job, "scoring the prompt failed on the server (see its log)")
 
     def _admit(self) -> None:
-        """Start waiting choices in the free rows, lowest first."""
-        free = self.decoder.free_rows()
-        while self._waiting and free:
+        """Start waiting choices in the free rows, lowest first, while the decoder has staging rows
+        for their prompts; then one chunk of the prompts under way (the rows it finishes decode from
+        the next step on)."""
+        decoder = self.decoder
+        free = decoder.free_rows()
+        while self._waiting and free and decoder.can_start():
             choice, b = self._waiting.popleft(), free.pop(0)
             job = choice.job
             self._rows[b] = choice
-            self.decoder.admit(b, choice.prompt, job.seed + choice.index, job.sampling, job.max_tokens, job.eos_id,
-                               lambda b, token, choice=choice: choice.add_token(token, self._latest_logprob(b)),
-                               self._constraint(job), job.logprobs)
+            decoder.start(b, choice.prompt, job.seed + choice.index, job.sampling, job.max_tokens, job.eos_id,
+                          lambda b, token, choice=choice: choice.add_token(token, self._latest_logprob(b)),
+                          self._constraint(job), job.logprobs)
             job.waiting -= 1
             if job.waiting == 0:
                 self._dequeued()
+        if decoder.admitting:
+            decoder.prefill_chunk()
 
     def _constraint(self, job: Job) -> Constraint | None:
         """What holds a choice of `job` to its grammar (a matcher of its own), or None."""
@@ -321,6 +334,8 @@ class Scheduler:
         """Each row's new text to its job; finished choices retired (and their jobs completed)."""
         for b, choice in list(self._rows.items()):
             row, job = self.decoder.rows[b], choice.job
+            if row is None:   # its prompt is still being prefilled
+                continue
             done = choice.stopped or not row.active
             piece, logprobs = choice.unsent(final=done)
             if not done:
@@ -352,7 +367,7 @@ class Scheduler:
             job.waiting = 0
             self._dequeued()
         for b in [b for b, choice in self._rows.items() if choice.job is job]:
-            if self.decoder.rows[b] is not None:   # (not if its admission failed)
+            if self.decoder.rows[b] is not None or b in self.decoder.admitting:   # (not if its admission failed)
                 self.decoder.retire(b)
             del self._rows[b]
 

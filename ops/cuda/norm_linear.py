@@ -16,9 +16,9 @@ from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, wait_for_previous, warp_sum
-from nanoeuler_ops.cuda.row_products import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
+from nanoeuler_ops.cuda.row_products import (CHUNK, MANY_ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
                                              launch_norm_tiles, launch_quantized, load_trip, no_chunk,
-                                             prefetch_row, product, row_group)
+                                             prefetch_row, product, row_group, row_slices, slice_rows)
 from nanoeuler_ops.norm_linear import check_shapes
 
 TRIP = 4   # chunks of each operand a lane asks for at once (row_products)
@@ -35,25 +35,26 @@ def weight_trip(w, g, o, c):
 @cuda.jit(cache=True)
 def _forward(x, g, w, features, eps, group, y):
     # x (N, C), g (1, C), w (O, C) -> y (N, O), C >= features (the rest zeros); the warp of column o
-    # computes y[:, o], R = len(group) rows at a time
+    # computes y[:, o] of its slice's rows, R = len(group) rows at a time
     N, C = x.shape
     R = len(group)
     column_, lane = column()
     o = min(column_, w.shape[0] - 1)   # a warp past the last column repeats it, never stored
-    dots = cuda.local.array(ROWS, float32)
-    squares = cuda.local.array(ROWS, float32)
+    dots = cuda.local.array(MANY_ROWS, float32)
+    squares = cuda.local.array(MANY_ROWS, float32)
     let_next_start()
     prefetch_row(w, o)
     first = lane * CHUNK
     w0 = w1 = w2 = w3 = no_chunk()
-    for r0 in range(0, N, R):
+    lo, hi = slice_rows(N)
+    for r0 in range(lo, hi, R):
         for r in range(R):
             dots[r] = 0.0
             squares[r] = 0.0
         for c in range(first, C, TRIP * STEP):   # loads first
-            if load_trip(c, first, r0, C, TRIP * STEP):
+            if load_trip(c, first, r0 == lo, C, TRIP * STEP):
                 w0, w1, w2, w3 = weight_trip(w, g, o, c)
-            if r0 == 0 and c == first:   # the first trip's weights were asked for before
+            if r0 == lo and c == first:   # the first trip's weights were asked for before
                 wait_for_previous()
             for r in range(R):
                 if R == 1 or r0 + r < N:   # (R == 1: no test, the one row is there)
@@ -81,6 +82,7 @@ def forward(x, g, *w, eps):
     if w.dtype == BF16:
         launch_norm_tiles(x, g, w, eps, 1, y)
     else:
-        runtime.launch(_forward, runtime.blocks_for(w.shape[0], WARPS), THREADS, in_chunks(x), in_chunks(g),
-                       in_chunks(w), x.shape[1], float32(eps), row_group(x.shape[0]), y, overlap=True)
+        runtime.launch(_forward, (runtime.blocks_for(w.shape[0], WARPS), row_slices(x.shape[0])), THREADS,
+                       in_chunks(x), in_chunks(g), in_chunks(w), x.shape[1], float32(eps), row_group(x.shape[0]), y,
+                       overlap=True)
     return y, ()

@@ -17,9 +17,9 @@ from numba import cuda, float32
 
 from nanoeuler_ops.cuda import runtime
 from nanoeuler_ops.cuda.device import BF16, let_next_start, stored, wait_for_previous, warp_sum
-from nanoeuler_ops.cuda.row_products import (CHUNK, ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
+from nanoeuler_ops.cuda.row_products import (CHUNK, MANY_ROWS, STEP, THREADS, WARPS, chunk, column, dot, in_chunks,
                                              launch_norm_tiles, launch_quantized, load_trip, no_chunk,
-                                             prefetch_row, product, row_group, swiglu)
+                                             prefetch_row, product, row_group, row_slices, slice_rows, swiglu)
 from nanoeuler_ops.norm_swiglu import check_shapes
 
 TRIP = 3   # chunks of each operand a lane asks for at once (row_products)
@@ -37,29 +37,30 @@ def weight_trip(w, g, f, F, c):
 @cuda.jit(cache=True)
 def _forward(x, g, w, features, eps, group, y):
     # x (N, C), g (1, C), w (2F, C) -> y (N, F), C >= features (the rest zeros); the warp of column f
-    # computes y[:, f], R = len(group) rows at a time
+    # computes y[:, f] of its slice's rows, R = len(group) rows at a time
     N, C = x.shape
     F = y.shape[1]
     R = len(group)
     column_, lane = column()
     f = min(column_, F - 1)   # a warp past the last column repeats it, never stored
-    gates = cuda.local.array(ROWS, float32)
-    ups = cuda.local.array(ROWS, float32)
-    squares = cuda.local.array(ROWS, float32)
+    gates = cuda.local.array(MANY_ROWS, float32)
+    ups = cuda.local.array(MANY_ROWS, float32)
+    squares = cuda.local.array(MANY_ROWS, float32)
     let_next_start()
     prefetch_row(w, f)
     prefetch_row(w, F + f)
     first = lane * CHUNK
     gate0 = gate1 = gate2 = up0 = up1 = up2 = no_chunk()
-    for r0 in range(0, N, R):
+    lo, hi = slice_rows(N)
+    for r0 in range(lo, hi, R):
         for r in range(R):
             gates[r] = 0.0
             ups[r] = 0.0
             squares[r] = 0.0
         for c in range(first, C, TRIP * STEP):   # loads first
-            if load_trip(c, first, r0, C, TRIP * STEP):
+            if load_trip(c, first, r0 == lo, C, TRIP * STEP):
                 gate0, gate1, gate2, up0, up1, up2 = weight_trip(w, g, f, F, c)
-            if r0 == 0 and c == first:   # the first trip's weights were asked for before
+            if r0 == lo and c == first:   # the first trip's weights were asked for before
                 wait_for_previous()
             for r in range(R):
                 if R == 1 or r0 + r < N:   # (R == 1: no test, the one row is there)
@@ -86,6 +87,6 @@ def forward(x, g, *w, eps):
     if w.dtype == BF16:
         launch_norm_tiles(x, g, w, eps, 2, y)
     else:
-        runtime.launch(_forward, runtime.blocks_for(F, WARPS), THREADS, in_chunks(x), in_chunks(g), in_chunks(w),
-                       x.shape[1], float32(eps), row_group(x.shape[0]), y, overlap=True)
+        runtime.launch(_forward, (runtime.blocks_for(F, WARPS), row_slices(x.shape[0])), THREADS, in_chunks(x),
+                       in_chunks(g), in_chunks(w), x.shape[1], float32(eps), row_group(x.shape[0]), y, overlap=True)
     return y, ()

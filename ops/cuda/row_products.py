@@ -5,13 +5,18 @@ a weight matrix w (O, C), each row's result independent of the others (batch inv
 Float32 weights, FMA kernels: a warp per output column o, a block WARPS columns. Lane l reads the
 features in chunks of CHUNK = 8 (one 16-byte load each): chunks l, l + 32, ..., a trip of several
 at once, and sums each chunk in element order; the warp adds its lanes by a fixed shuffle tree.
-Rows go in groups of R (`row_group`: 1 for a lone row, else ROWS), the weights read once a group.
+Rows go in groups of R (`row_group`: 1 for a lone row, ROWS for a few, MANY_ROWS for a slice), the
+weights read once a group.
 bf16 weights, tensor-core kernels (mma.sync m16n8k16): a block per TILE = 16 output columns (the
-A operand), GROUP = 8 rows of x at a time (B, each row as hi + lo bf16 parts), its warps splitting
-the features BLOCK = 32 at a time; the warps' sums meet in shared memory, added in warp order.
+A operand), GROUP = 8 rows of x at a time (B, each row as hi + lo bf16 parts), a slice's groups
+through each trip of weights together (`tile_groups`), its warps splitting the features BLOCK = 32
+at a time; the warps' sums meet in shared memory, added in warp order.
 Quantized weights (int8, int4), one kernel for the three ops on the float32 layout (`quantized_rows`):
 each block rounds x to int8 by blocks of 32 into shared memory (after the norm), and a lane's 16-byte
 load of 16 int8 weights or 32 int4 multiplies x's bytes by dp4a, four products an instruction.
+Every kernel's grid has a second dimension over slices of SLICE rows (`row_slices`): a block computes
+its columns for one slice, so that many rows (a prompt's chunk) run on many blocks side by side, not
+group after group on one; a row's sums are added in the same order whichever block computes them.
 Each kernel asks for its weights (prefetch, first trip) before it waits for the kernel ahead.
 docs/cuda.md ("Decoding's matrix products") tells why each choice.
 """
@@ -29,14 +34,29 @@ from nanoeuler_ops.cuda.device import (DEVICE, WARP, bf16x2_values, dp4a, let_ne
 WARPS = 4       # columns per block
 THREADS = WARPS * WARP
 ROWS = 4        # rows reduced together: the weights are read once per group of ROWS rows
+MANY_ROWS = 8   # rows reduced together where there are a slice's worth or more
+SLICE = 32      # rows a block computes at most (a multiple of every group: ROWS, MANY_ROWS, GROUP)
 CHUNK = 8       # features a lane reads at once (16 bytes of bf16)
 STEP = WARP * CHUNK   # features from a lane's chunk to its next
 
 
 def row_group(N: int) -> tuple:
-    """The kernels' `group` argument for N rows: a tuple of R zeros, R = 1 for one row, else ROWS. A
-    kernel takes R as len(group), a constant when it compiles (a tuple's length is part of its type)."""
-    return (int32(0),) * (1 if N == 1 else ROWS)
+    """The kernels' `group` argument for N rows: a tuple of R zeros, R = 1 for one row, ROWS below a
+    slice, else MANY_ROWS. A kernel takes R as len(group), a constant when it compiles (a tuple's
+    length is part of its type)."""
+    return (int32(0),) * (1 if N == 1 else ROWS if N < SLICE else MANY_ROWS)
+
+
+def row_slices(N: int) -> int:
+    """The grid's second dimension for N rows: a block per SLICE rows."""
+    return max(1, -(-N // SLICE))
+
+
+@cuda.jit(device=True, inline=True)
+def slice_rows(N):
+    """The rows lo..hi-1 of x this block computes: the slice at its y in the grid."""
+    lo = cuda.blockIdx.y * SLICE
+    return lo, min(N, lo + SLICE)
 
 
 def vector_ready(a) -> bool:
@@ -73,11 +93,11 @@ def column():
 
 
 @cuda.jit(device=True, inline=True)
-def load_trip(c, first, r0, C, stride):
-    """Whether a lane loads the weights of its trip from feature c for the group of rows from r0 (its
-    trips `stride` features apart): it keeps its first trip's (from `first`) for every group, unless
-    a later trip replaced them."""
-    return r0 == 0 or c != first or first + stride < C
+def load_trip(c, first, first_group, C, stride):
+    """Whether a lane loads the weights of its trip from feature c for a group of rows (the block's
+    first group or not; its trips `stride` features apart): it keeps its first trip's (from `first`)
+    for every group, unless a later trip replaced them."""
+    return first_group or c != first or first + stride < C
 
 
 @cuda.jit(device=True, inline=True)
@@ -136,7 +156,7 @@ def dot(total, a, b):
 # operands, hi + lo (x's first 16 significant bits of its 24): the products of bf16 weights with
 # them are exact, added in float32 (hi's and lo's sums apart). The warps' sums then meet in shared
 # memory, added in warp order: the same operations in the same order for a row alone or among
-# others, with one kernel for every number of rows. A block's warps (NORM_WARPS, linear_residual's
+# others, whichever kernel (one group, or a slice's four at once) and block compute it. A block's warps (NORM_WARPS, linear_residual's
 # MMA_WARPS) split the features; 16 columns a block rather than 8 (twice the blocks, each holding
 # as many registers) keeps more of the GPU's registers busy with loads in flight.
 
@@ -242,11 +262,22 @@ def no_sums():
 
 
 @cuda.jit(device=True, inline=True)
-def share_sums(sums, slot, warp, acc):
-    """Leave this lane's four results (its D fragment: hi's sums + lo's) in sums[warp, slot]."""
+def sums_at(warp, slot, k, lane, slots):
+    """Where lane `lane`'s result k of `slot` lies in a block's shared sums, (warps, slots, 4, WARP) flat."""
+    return ((warp * slots + slot) * 4 + k) * WARP + lane
+
+
+def sums_bytes(warps: int, slots: int) -> int:
+    """The dynamic shared memory of a block's sums (`share_sums`): `slots` results of `warps` warps."""
+    return 4 * warps * slots * 4 * WARP
+
+
+@cuda.jit(device=True, inline=True)
+def share_sums(sums, slot, slots, warp, acc):
+    """Leave this lane's four results (its D fragment: hi's sums + lo's) at `slot` of the block's sums."""
     lane = cuda.threadIdx.x % WARP
     for k in range(4):
-        sums[warp, slot, k, lane] = acc[0][k] + acc[1][k]
+        sums[sums_at(warp, slot, k, lane, slots)] = acc[0][k] + acc[1][k]
 
 
 @cuda.jit(device=True, inline=True)
@@ -267,17 +298,17 @@ def tile_entry(e):
 
 
 @cuda.jit(device=True, inline=True)
-def warps_total(sums, slot, lane, k, warps):
+def warps_total(sums, slot, slots, lane, k, warps):
     """The `warps` warps' sums (share_sums) of one result, added in warp order."""
     total = float32(0.0)
     for warp in range(warps):
-        total += sums[warp, slot, k, lane]
+        total += sums[sums_at(warp, slot, k, lane, slots)]
     return total
 
 
 @cuda.jit(device=True, inline=True)
 def row_rstd(squares, n, features, eps, warps):
-    """1 / the root mean square of row n of the group, from the `warps` warps' sums of squares (share_squares)."""
+    """1 / the root mean square of the block's row n, from the `warps` warps' sums of squares (share_squares)."""
     total = float32(0.0)
     for warp in range(warps):
         total += squares[warp, n]
@@ -293,61 +324,97 @@ def swiglu(gate, up):
 
 NORM_WARPS = 8   # warps of a norm_tiles block
 NORM_TRIP = 3   # blocks of features a warp asks for at once: 8 warps x 3 x 32, the `gpu` preset's 768
+SLICE_GROUPS = 4   # groups of rows in a slice (SLICE / GROUP), written out in the kernels: a loop over
+                   # them that the compiler left rolled would index their sums at run time (local memory)
+
+
+def tile_groups(N: int) -> tuple:
+    """The tensor-core kernels' `groups` argument for N rows: a tuple of G zeros, G the groups of
+    GROUP rows a block multiplies at once, 1 for a step's few rows (N <= GROUP: one group's sums in
+    registers), else a slice's SLICE_GROUPS (a constant when a kernel compiles, as `row_group`'s R)."""
+    return (int32(0),) * (1 if N <= GROUP else SLICE_GROUPS)
+
+
+@cuda.jit(device=True, inline=True)
+def norm_group_trip(acc, sum_squares, weights, x, g, row, c0, warp, t, T):
+    """A group's sums (acc: the T matrices' `no_sums`) and its row's sum of squares, plus the products
+    of a trip of weights with features c0.. of the group's rows (this lane's: `row`)."""
+    first, second = acc
+    for j in range(NORM_TRIP):
+        v, sum_squares = normed_chunk(x, g, row, trip_feature(c0, j, warp, t, NORM_WARPS), sum_squares)
+        first = mma_block(first, weights[0], j, v)
+        if T == 2:
+            second = mma_block(second, weights[1], j, v)
+    return (first, second), sum_squares
+
+
+@cuda.jit(device=True, inline=True)
+def share_norm_group(sums, squares, group, G, T, warp, i, t, acc, sum_squares):
+    """A group's sums and sums of squares (norm_group_trip) into the block's shared memory."""
+    for tile in range(T):
+        share_sums(sums, group * T + tile, G * T, warp, acc[tile])
+    share_squares(squares, warp, group * GROUP + i, t, sum_squares)
 
 
 @cuda.jit(cache=True)
-def norm_tiles(x, g, w, features, eps, tiles, y):
+def norm_tiles(x, g, w, features, eps, tiles, groups, y):
     # x (N, C), g (1, C), w (T O, C) bf16 -> y (N, O), C >= features (the rest zeros), T = len(tiles):
     # 1, y = rmsnorm(x; g) @ w.T (norm_linear); 2, y = swiglu of rmsnorm(x; g) @ w[:O].T and @ w[O:].T
-    # (norm_swiglu). Block b computes y[:, 16b:16b+16] on the tensor cores, GROUP rows at a time.
+    # (norm_swiglu). Block (b, s) computes y[:, 16b:16b+16] of slice s's rows on the tensor cores, its
+    # G = len(groups) groups of GROUP rows through each trip of weights before the next trip; the
+    # warps' sums in dynamic shared memory, sums_bytes(NORM_WARPS, T G).
     N, C = x.shape
     O = y.shape[1]
-    T = len(tiles)
+    T, G = len(tiles), len(groups)
     warp, i, t = mma_lane()
     top, bottom = tile_rows(w[:O], cuda.blockIdx.x * TILE, i)
     weights = cuda.local.array((2, NORM_TRIP, 8), uint32)
-    sums = cuda.shared.array((NORM_WARPS, 2, 4, WARP), float32)
-    squares = cuda.shared.array((NORM_WARPS, GROUP), float32)
+    sums = cuda.shared.array(0, float32)
+    squares = cuda.shared.array((NORM_WARPS, SLICE), float32)
     let_next_start()
     stride = NORM_WARPS * NORM_TRIP * BLOCK
-    for r0 in range(0, N, GROUP):
-        first = second = no_sums()
-        sum_squares = float32(0.0)
-        for c0 in range(0, C, stride):   # loads first
-            if load_trip(c0, 0, r0, C, stride):
-                for j in range(NORM_TRIP):
-                    c = trip_feature(c0, j, warp, t, NORM_WARPS)
-                    for tile in range(T):
-                        load_words(weights[tile], j, w, tile * O + top, tile * O + bottom, c)
-            if r0 == 0 and c0 == 0:   # the first trip's weights were asked for before
-                wait_for_previous()
-            for j in range(NORM_TRIP):
-                v, sum_squares = normed_chunk(x, g, r0 + i, trip_feature(c0, j, warp, t, NORM_WARPS), sum_squares)
-                first = mma_block(first, weights[0], j, v)
-                if T == 2:
-                    second = mma_block(second, weights[1], j, v)
-        share_sums(sums, 0, warp, first)
-        if T == 2:
-            share_sums(sums, 1, warp, second)
-        share_squares(squares, warp, i, t, sum_squares)
-        cuda.syncthreads()
-        for e in range(cuda.threadIdx.x, TILE * GROUP, NORM_WARPS * WARP):
-            col, m, lane, k = tile_entry(e)
-            o, n = cuda.blockIdx.x * TILE + col, r0 + m
-            if o < O and n < N:
-                rstd = row_rstd(squares, m, features, eps, NORM_WARPS)
-                total = warps_total(sums, 0, lane, k, NORM_WARPS) * rstd
-                if T == 2:
-                    total = swiglu(total, warps_total(sums, 1, lane, k, NORM_WARPS) * rstd)
-                y[n, o] = stored(y, total)
-        cuda.syncthreads()   # before the next group's sums
+    lo, hi = slice_rows(N)
+    acc0 = acc1 = acc2 = acc3 = (no_sums(), no_sums())
+    squares0 = squares1 = squares2 = squares3 = float32(0.0)
+    for c0 in range(0, C, stride):   # loads first
+        for j in range(NORM_TRIP):
+            c = trip_feature(c0, j, warp, t, NORM_WARPS)
+            for tile in range(T):
+                load_words(weights[tile], j, w, tile * O + top, tile * O + bottom, c)
+        if c0 == 0:   # the first trip's weights were asked for before
+            wait_for_previous()
+        acc0, squares0 = norm_group_trip(acc0, squares0, weights, x, g, lo + i, c0, warp, t, T)
+        if G > 1:   # groups past the slice's rows are skipped by every warp
+            if lo + GROUP < hi:
+                acc1, squares1 = norm_group_trip(acc1, squares1, weights, x, g, lo + GROUP + i, c0, warp, t, T)
+            if lo + 2 * GROUP < hi:
+                acc2, squares2 = norm_group_trip(acc2, squares2, weights, x, g, lo + 2 * GROUP + i, c0, warp, t, T)
+            if lo + 3 * GROUP < hi:
+                acc3, squares3 = norm_group_trip(acc3, squares3, weights, x, g, lo + 3 * GROUP + i, c0, warp, t, T)
+    share_norm_group(sums, squares, 0, G, T, warp, i, t, acc0, squares0)
+    if G > 1:
+        share_norm_group(sums, squares, 1, G, T, warp, i, t, acc1, squares1)
+        share_norm_group(sums, squares, 2, G, T, warp, i, t, acc2, squares2)
+        share_norm_group(sums, squares, 3, G, T, warp, i, t, acc3, squares3)
+    cuda.syncthreads()
+    for e in range(cuda.threadIdx.x, TILE * GROUP * G, NORM_WARPS * WARP):
+        group = e // (TILE * GROUP)
+        col, m, lane, k = tile_entry(e % (TILE * GROUP))
+        o, n = cuda.blockIdx.x * TILE + col, lo + group * GROUP + m
+        if o < O and n < hi:
+            rstd = row_rstd(squares, group * GROUP + m, features, eps, NORM_WARPS)
+            total = warps_total(sums, group * T, G * T, lane, k, NORM_WARPS) * rstd
+            if T == 2:
+                total = swiglu(total, warps_total(sums, group * T + 1, G * T, lane, k, NORM_WARPS) * rstd)
+            y[n, o] = stored(y, total)
 
 
 def launch_norm_tiles(x, g, w, eps, tiles: int, y) -> None:
     """norm_tiles on x, g and w (bf16) into y, T = tiles matrices stacked in w."""
-    runtime.launch(norm_tiles, runtime.blocks_for(y.shape[1], TILE), NORM_WARPS * WARP, in_chunks(x), in_chunks(g),
-                   in_chunks(w), x.shape[1], float32(eps), (int32(0),) * tiles, y, overlap=True)
-
+    groups = tile_groups(x.shape[0])
+    runtime.launch(norm_tiles, (runtime.blocks_for(y.shape[1], TILE), row_slices(x.shape[0])), NORM_WARPS * WARP,
+                   in_chunks(x), in_chunks(g), in_chunks(w), x.shape[1], float32(eps), (int32(0),) * tiles, groups, y,
+                   shared_bytes=sums_bytes(NORM_WARPS, tiles * len(groups)), overlap=True)
 
 
 # ---------------------------------------------------------------- quantized weights
@@ -469,7 +536,7 @@ def round_rows(xs, ds, squares, x, g, r0, features, eps, group, norm, per_byte):
     rounded to int8 by blocks of 32 (quantized.round_activations) into the block's shared memory:
     row r's block b as the words xs[(r B + b) QWORDS:][:QWORDS] (B = the row's blocks), its d at
     ds[r B + b] and, for int4 (len(per_byte) == 2), d * its sum of integers at ds[(R + r) B + b].
-    Every thread of the block calls it; squares (WARPS, ROWS) holds the warps' sums of squares."""
+    Every thread of the block calls it; squares (WARPS, MANY_ROWS) holds the warps' sums of squares."""
     R = len(group)
     tid = cuda.threadIdx.x
     B = (features + QBLOCK - 1) // QBLOCK
@@ -549,8 +616,8 @@ def quantized_rows(x, g, res, q, scale, zero, features, eps, group_chunks, group
     # y = rmsnorm(x; g) @ w.T (norm_linear); T = 2, y = swiglu of rmsnorm(x; g) @ w[:O].T and @ w[O:].T
     # (norm_swiglu). Without (norm = ()): y = res + x @ w.T (linear_residual; g unread). x is read
     # rounded to int8 by blocks of 32 (round_rows; dynamic shared memory: rounded_bytes(R, K)). The warp
-    # of column o computes y[:, o] from rows o (and O + o) of w, R = len(group) rows at a time, a trip
-    # of len(trip) chunks a lane.
+    # of column o computes y[:, o] of its slice's rows from rows o (and O + o) of w, R = len(group) rows
+    # at a time, a trip of len(trip) chunks a lane.
     N = x.shape[0]
     O = y.shape[1]
     T, R, L = len(tiles), len(group), len(trip)
@@ -560,8 +627,8 @@ def quantized_rows(x, g, res, q, scale, zero, features, eps, group_chunks, group
     o = min(column_, O - 1)   # a warp past the last column repeats it, never stored
     words = cuda.local.array((MATRICES, QTRIP, 4), uint32)
     scales = cuda.local.array((MATRICES, QTRIP, 2), float32)
-    sums = cuda.local.array((MATRICES, ROWS), float32)
-    squares = cuda.shared.array((WARPS, ROWS), float32)
+    sums = cuda.local.array((MATRICES, MANY_ROWS), float32)
+    squares = cuda.shared.array((WARPS, MANY_ROWS), float32)
     xs = cuda.shared.array(0, uint32)
     ds = cuda.shared.array(0, float32)[R * B * QWORDS:]   # after xs, in the same memory
     let_next_start()
@@ -570,14 +637,15 @@ def quantized_rows(x, g, res, q, scale, zero, features, eps, group_chunks, group
         load_chunks(words[t], scales[t], q, scale, zero, t * O + o, lane, group_chunks, trip, per_byte)
     wait_for_previous()   # the first trip's weights were asked for before
     stride = L * WARP
-    for r0 in range(0, N, R):
+    lo, hi = slice_rows(N)
+    for r0 in range(lo, hi, R):
         round_rows(xs, ds, squares, x, g, r0, features, eps, group, norm, per_byte)
         cuda.syncthreads()
         for r in range(R):
             for t in range(T):
                 sums[t, r] = 0.0
         for j0 in range(lane, chunks, stride):
-            if j0 != lane or (r0 > 0 and lane + stride < chunks):   # a later trip replaced the first
+            if j0 != lane or (r0 > lo and lane + stride < chunks):   # a later trip replaced the first
                 for t in range(T):
                     load_chunks(words[t], scales[t], q, scale, zero, t * O + o, j0, group_chunks, trip, per_byte)
             for i in range(L):
@@ -604,7 +672,7 @@ def launch_quantized(x, w, y, g=None, eps: float = 0.0, tiles: int = 1, res=None
     per_byte, group_chunks = quantized_layout(q, scale, zero)
     rows, group = in_chunks(x), row_group(x.shape[0])
     norm = () if g is None else (int32(0),)
-    runtime.launch(quantized_rows, runtime.blocks_for(y.shape[1], WARPS), THREADS, rows,
+    runtime.launch(quantized_rows, (runtime.blocks_for(y.shape[1], WARPS), row_slices(x.shape[0])), THREADS, rows,
                    rows if g is None else in_chunks(g), y if res is None else res, aligned(q), scale, zero,
                    x.shape[1], float32(eps), group_chunks, group, norm, (int32(0),) * tiles, trip_of(q), per_byte, y,
                    shared_bytes=rounded_bytes(len(group), x.shape[1]), overlap=True)

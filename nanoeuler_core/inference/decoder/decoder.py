@@ -12,14 +12,15 @@ import numpy as np
 from nanoeuler_core import registry
 from nanoeuler_core.inference.constraint import fill_masks
 from nanoeuler_core.inference.decoder.forward import DECODE_OPS, DecodeForward
-from nanoeuler_core.inference.decoder.kv_cache import KVCache
+from nanoeuler_core.inference.decoder.kv_cache import KVCache, PrefixCache
 from nanoeuler_core.inference.decoder.pipeline import StepInFlight, StepLauncher
-from nanoeuler_core.inference.decoder.prefill import Prefill
+from nanoeuler_core.inference.decoder.prefill import STAGING_ROWS, Filling, Prefill
 from nanoeuler_core.inference.decoder.rows import DecodeStats, Row, Sampling
 from nanoeuler_core.inference.decoder.speculation import SpeculationPolicy
 from nanoeuler_core.inference.decoder.weights import DecodeWeights, check_weights
 
 DECODERS_PER_MODEL = 4    # decoders (KV caches, captured graphs) kept per model for later calls
+PREFIX_BLOCK = 16         # tokens of a prefix cache block
 
 
 class Decoder:
@@ -29,13 +30,16 @@ class Decoder:
     `retire`), each free or held to a grammar (a Constraint: structured outputs). `sampling` is the
     rows' sampling where `generate` is not told another; `weights` "bf16" or "fp32" (default: bf16
     where the backend and the decoding ops run it); `run_ahead` whether `step` launches the next
-    step before it takes the results of one (default: where the steps are captured).
+    step before it takes the results of one (default: where the steps are captured);
+    `prefix_cache_tokens` the tokens of keys and values kept for later prompts that begin the same
+    way (default: as many as the rows' cache holds, batch_size * ctx_len; 0: none).
 
-    Its parts: `cache` (KVCache), `forward` (DecodeForward, reading DecodeWeights), `prefill`
-    (Prefill), `launcher` (StepLauncher) and `policy` (SpeculationPolicy)."""
+    Its parts: `cache` (KVCache), `prefix_cache` (PrefixCache), `forward` (DecodeForward, reading
+    DecodeWeights), `prefill` (Prefill), `launcher` (StepLauncher) and `policy` (SpeculationPolicy)."""
 
     def __init__(self, model, batch_size: int, speculative: bool | None = None, sampling: Sampling = Sampling(),
-                 capture: bool = True, weights: str | None = None, run_ahead: bool | None = None):
+                 capture: bool = True, weights: str | None = None, run_ahead: bool | None = None,
+                 prefix_cache_tokens: int | None = None):
         cfg = model.cfg
         if speculative and cfg.n_mtp < 2:
             raise ValueError("speculative decoding needs the multi-token-prediction heads, and this model has "
@@ -48,20 +52,28 @@ class Decoder:
                                         multi_token_step_cheap=self.be.multi_token_step_cheap)
         ops = registry.kernels_on(model.backend_name, DECODE_OPS)
         self.weights = check_weights(model.backend_name, weights, model)
-        self.bytes_needed = KVCache.bytes_needed(self.be, cfg, batch_size, self.K)
+        if prefix_cache_tokens is None:
+            prefix_cache_tokens = batch_size * cfg.ctx_len
+        if prefix_cache_tokens < 0:
+            raise ValueError(f"the prefix cache holds 0 tokens or more, got {prefix_cache_tokens}")
+        prefix_cache_tokens -= prefix_cache_tokens % PREFIX_BLOCK
+        self.bytes_needed = KVCache.bytes_needed(self.be, cfg, batch_size, self.K, STAGING_ROWS + 1,
+                                                 prefix_cache_tokens)
         limit = self.be.memory_limit()
         if limit is not None and self.bytes_needed > limit:
             raise ValueError(self._too_large(f"{limit / 2**30:.1f} GiB of memory this machine can give it"))
         try:
             self.cache = KVCache(self.be, cfg, batch_size, self.K)
+            self.prefix_cache = PrefixCache(self.be, cfg, prefix_cache_tokens, PREFIX_BLOCK)
             self.forward = DecodeForward(model, ops, DecodeWeights(model, self.weights, self.K))
             self.launcher = StepLauncher(self.be, self.forward, self.cache, capture)
+            self.prefill = Prefill(model, self.forward, self.cache, self.prefix_cache, capture)   # its staging rows
         except Exception as exc:  # MemoryError on the CPU, the driver's CUDA_ERROR_OUT_OF_MEMORY on a GPU
             if isinstance(exc, MemoryError) or "OUT_OF_MEMORY" in str(exc):
                 raise ValueError(self._too_large("memory free on the device")) from None
             raise
-        self.prefill = Prefill(model, self.forward, self.cache, capture)
         self.rows: list[Row | None] = [None] * batch_size   # the row decoding in each slot, None where free
+        self.admitting: dict[int, tuple[Row, Sampling, int, Filling]] = {}   # row -> its prompt under way (`start`)
         self._in_flight: StepInFlight | None = None          # the step launched, its results not yet taken
         self.masks = np.full(self.cache.mask.shape, -1, dtype=np.int32)   # the rows' token masks, host side
         # counted over the decoder's life (DecodeStats)
@@ -83,19 +95,63 @@ class Decoder:
         its grammar, and the row ends where the grammar does. With `top_logprobs` (a count), the row
         keeps each new token's TokenLogprob (`Row.logprobs`, before on_token sees it): only such a
         row's logits come to the host. Returns the row's progress (Row)."""
-        if self.rows[b] is not None:
+        self._check_admission(b, prompt)
+        row = Row(b, list(prompt), max_new_tokens, eos_id, on_token, sampling.temperature == 0,
+                  constraint, top_logprobs)
+        if row.active:
+            self._activate(row, seed, sampling)
+        self.rows[b] = row   # before on_token sees its first token
+        if row.active:
+            self._fill(row, row.sequence)
+        return row
+
+    def start(self, b: int, prompt: list[int], seed: int, sampling: Sampling, max_new_tokens: int,
+              eos_id: int | None = None, on_token=None, constraint=None, top_logprobs: int | None = None) -> None:
+        """`admit` without waiting for the prefill: row b is taken, its prompt (after the longest
+        prefix the prefix cache holds) goes on a staging row and is prefilled a chunk at a time by
+        `prefill_chunk`, between decoding steps, which then keeps its first token. Needs a free
+        staging row (`can_start`)."""
+        self._check_admission(b, prompt)
+        if not self.can_start():
+            raise ValueError("every staging row is prefilling a prompt: call prefill_chunk first")
+        row = Row(b, list(prompt), max_new_tokens, eos_id, on_token, sampling.temperature == 0,
+                  constraint, top_logprobs)
+        if not row.active:
+            self.rows[b] = row
+            return
+        self.admitting[b] = row, sampling, seed, self.prefill.start(b, row.sequence, 0)
+
+    def can_start(self) -> bool:
+        """Whether `start` has a staging row for one more prompt."""
+        return self.prefill.free_staging() > 0
+
+    def prefill_chunk(self) -> list[Row]:
+        """One chunk forward over the prompts `start`ed (at most PREFILL_TOKENS tokens over them all);
+        the rows whose prompts it finishes become active, their first tokens kept, and are returned."""
+        ready = []
+        for filling in self.prefill.advance():
+            row, sampling, seed, _ = self.admitting.pop(filling.b)
+            self._activate(row, seed, sampling)
+            self._constrain([row])
+            self.prefill.finish(filling)
+            row.position = len(row.sequence)
+            self.rows[row.b] = row   # before on_token sees its first token
+            row.keep(self.cache.pending[row.b, :1], self._head_logits(row, self.prefill.logits, 0, 1))
+            ready.append(row)
+        return ready
+
+    def _check_admission(self, b: int, prompt: list[int]) -> None:
+        if self.rows[b] is not None or b in self.admitting:
             raise ValueError(f"row {b} is in use: retire it first")
         if not 1 <= len(prompt) <= self.cfg.ctx_len:
             raise ValueError(f"a prompt must have 1 to {self.cfg.ctx_len} tokens, got {len(prompt)}")
+
+    def _activate(self, row: Row, seed: int, sampling: Sampling) -> None:
+        """Row b's seed and sampling on the device, once no step in flight is left without it."""
         self._settle()   # the next step computes this row too: no step in flight may be left without it
-        row = self.rows[b] = Row(b, list(prompt), max_new_tokens, eos_id, on_token, sampling.temperature == 0,
-                                 constraint, top_logprobs)
-        if row.active:
-            self.cache.start_row(b, seed, sampling)
-            if not row.greedy:   # its proposals must be drawn at the width its steps will have
-                self._set_width(self.policy.fixed_width())
-            self._fill(row, row.sequence)
-        return row
+        self.cache.start_row(row.b, seed, sampling)
+        if not row.greedy:   # its proposals must be drawn at the width its steps will have
+            self._set_width(self.policy.fixed_width())
 
     def step(self) -> None:
         """One decoding step of the active rows: a row whose cache is full first slides its window
@@ -129,15 +185,25 @@ class Decoder:
         still compute the row: it need not be waited for, since collecting it skips the row (no longer
         active), and the position written here reaches the device after that step (the backend runs
         work in the order it is queued)."""
+        if b in self.admitting:   # retired before its prompt was in: nothing of it reached the row
+            self.prefill.drop(b)
+            return self.admitting.pop(b)[0]
         row, self.rows[b] = self.rows[b], None
         if row is None:
             raise ValueError(f"row {b} is free already")
         row.active = False
+        self._remember(row)
         self.cache.free_row(b)
         if row.constraint is not None:   # a free row allows every token
             self.masks[b] = -1
             self.be.copy_(self.cache.mask[b:b + 1], self.masks[b:b + 1])
         return row
+
+    def _remember(self, row: Row) -> None:
+        """Keep the blocks of the row's tokens in the prefix cache (a later prompt may go on from
+        its answer): the cache holds tokens 0..position-1 of its sequence unless its window slid."""
+        if row.position == len(row.sequence) - 1 and row.position >= self.prefix_cache.block:
+            self.prefix_cache.store(row.sequence[:row.position], self.cache.kv, row.b)
 
     def active_rows(self) -> list[Row]:
         """The rows still decoding, in row order."""
@@ -145,7 +211,7 @@ class Decoder:
 
     def free_rows(self) -> list[int]:
         """The rows that `admit` may start, lowest first."""
-        return [b for b, row in enumerate(self.rows) if row is None]
+        return [b for b, row in enumerate(self.rows) if row is None and b not in self.admitting]
 
     def choose_width(self, n: int) -> int:
         """The width of the next step over rows 0..n-1, the policy's for the active rows; 1 while a
@@ -258,9 +324,7 @@ class Decoder:
             while row.active:
                 self.step()
             self.retire(n - 1)
-        for P in self.prefill.lengths():
-            self.admit(0, [0] * P, 0, Sampling(0.0), 1)
-            self.retire(0)
+        self.prefill.warm_up()
         if self.policy.adaptive:
             self.measure()
 

@@ -1,7 +1,10 @@
 """The KV cache and the rows' decoding state: every buffer a decoding step reads and writes, on the
-model's backend (docs/decoding.md, "The KV cache and the rows' state")."""
+model's backend, and the prefix cache, blocks of keys and values kept for later prompts that begin
+with the same tokens (docs/decoding.md, "The KV cache and the rows' state", "Prefix caching")."""
 
 from __future__ import annotations
+
+import collections
 
 import numpy as np
 
@@ -42,10 +45,13 @@ class KVCache:
         self._row_states = {}                              # (row, width) -> `state` of that row
 
     @staticmethod
-    def bytes_needed(be, cfg, batch: int, K: int) -> int:
-        """The bytes a decoder of `batch` rows allocates: the cache, the step's logits (twice) and its activations."""
+    def bytes_needed(be, cfg, batch: int, K: int, staging: int = 0, prefix_tokens: int = 0) -> int:
+        """The bytes a decoder of `batch` rows allocates: the cache (with `staging` rows more, where
+        prompts are prefilled, and a prefix cache of `prefix_tokens` tokens), the step's logits
+        (twice) and its activations."""
         itemsize = np.dtype(be.dtype).itemsize
-        cache = 2 * cfg.n_layers * batch * (cfg.ctx_len + K - 1) * cfg.n_kv_heads * cfg.head_dim * itemsize
+        per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
+        cache = per_token * ((batch + staging) * (cfg.ctx_len + K - 1) + prefix_tokens)
         logits = batch * K * K * cfg.vocab_size * itemsize
         activations = batch * K * (2 * cfg.hidden_dim + 4 * cfg.dim) * itemsize
         return cache + 2 * logits + activations
@@ -85,3 +91,107 @@ class KVCache:
         are stale ones). The host must hold the tokens of every step launched."""
         self.be.copy_(self.tokens[:self.batch * W], np.ascontiguousarray(self.pending[:, :W]).reshape(-1))
         self.width = W
+
+
+class PrefixCache:
+    """Keys and values of earlier prompts (and of rows' generated tokens), kept by blocks of `block`
+    tokens for later prompts that begin with the same tokens, at most `capacity` tokens on the
+    backend, the least recently used block evicted first:
+
+        keys, values    per model block, (capacity, KV, D): slot s holds positions s*block..(s+1)*block-1
+
+    A block is known by its tokens chained with every token before it (the hash of its parent's
+    key and its own tokens, as vLLM's), so a block is reused only after the same whole prefix.
+    The decoding ops compute a token's keys and values the same whatever else is fed with it
+    (docs/decoding.md, "Batch invariance"), so a copied block is bit for bit what prefilling its
+    tokens again would give. Counts for a server's metrics: `stats()`."""
+
+    def __init__(self, be, cfg, capacity: int, block: int):
+        self.be, self.block = be, block
+        self.slots = capacity // block
+        shape = (self.slots * block, cfg.n_kv_heads, cfg.head_dim)
+        self.kv = [(be.zeros(shape), be.zeros(shape)) for _ in range(cfg.n_layers)] if self.slots else []
+        self._blocks: collections.OrderedDict[int, tuple[int, tuple]] = collections.OrderedDict()
+        # key -> (slot, its tokens), least recently used first
+        self._free = list(range(self.slots - 1, -1, -1))   # taken lowest first: a prompt's blocks in a run of slots
+        self.lookups = self.hits = self.tokens_reused = self.blocks_stored = self.evictions = 0
+
+    def keys(self, tokens: list[int], n_blocks: int) -> list[int]:
+        """The chained keys of the first n_blocks blocks of `tokens`."""
+        keys, parent, B = [], 0, self.block
+        for j in range(n_blocks):
+            parent = hash((parent, tuple(tokens[j * B:(j + 1) * B])))
+            keys.append(parent)
+        return keys
+
+    def lookup(self, prompt: list[int]) -> list[int]:
+        """The slots of the longest run of `prompt`'s first blocks held here, leaving at least its
+        last token to prefill (its logits give the first new token); counted, and made the most
+        recently used."""
+        if not self.slots:
+            return []
+        self.lookups += 1
+        B, found = self.block, []
+        for j, key in enumerate(self.keys(prompt, (len(prompt) - 1) // B)):
+            entry = self._blocks.get(key)
+            if entry is None or entry[1] != tuple(prompt[j * B:(j + 1) * B]):
+                break
+            self._blocks.move_to_end(key)
+            found.append(entry[0])
+        if found:
+            self.hits += 1
+            self.tokens_reused += len(found) * B
+        return found
+
+    def copy_into(self, slots: list[int], kv, r: int) -> None:
+        """Row r of `kv` (each model block's (keys, values), (rows, S, KV, D)) from position 0: the
+        blocks held in `slots`, in order."""
+        B = self.block
+        for j, slot, n in _runs(list(enumerate(slots))):
+            for (keys, values), (k_pool, v_pool) in zip(kv, self.kv):
+                self.be.copy_(keys[r, j * B:(j + n) * B], k_pool[slot * B:(slot + n) * B])
+                self.be.copy_(values[r, j * B:(j + n) * B], v_pool[slot * B:(slot + n) * B])
+
+    def store(self, tokens: list[int], kv, r: int) -> None:
+        """Keep the whole blocks of `tokens`, whose keys and values row r of `kv` holds from position
+        0, evicting the least recently used blocks where no slot is free."""
+        B = self.block
+        n_blocks = min(len(tokens) // B, self.slots)   # never evicts a block of this prefix to store another
+        stored = []   # (block, slot) of the blocks new here
+        for j, key in enumerate(self.keys(tokens, n_blocks)):
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                continue
+            if self._free:
+                slot = self._free.pop()
+            else:
+                _, (slot, _) = self._blocks.popitem(last=False)
+                self.evictions += 1
+            self._blocks[key] = slot, tuple(tokens[j * B:(j + 1) * B])
+            self.blocks_stored += 1
+            stored.append((j, slot))
+        for j, slot, n in _runs(stored):
+            for (keys, values), (k_pool, v_pool) in zip(kv, self.kv):
+                self.be.copy_(k_pool[slot * B:(slot + n) * B], keys[r, j * B:(j + n) * B])
+                self.be.copy_(v_pool[slot * B:(slot + n) * B], values[r, j * B:(j + n) * B])
+
+    def stats(self) -> dict:
+        """prefix_cache_lookups (prompts looked up), prefix_cache_hits (those that reused a block or
+        more), prefix_tokens_reused (prefill tokens skipped), prefix_cache_blocks (held now, of
+        prefix_cache_slots), prefix_cache_evictions."""
+        return {"prefix_cache_lookups": self.lookups, "prefix_cache_hits": self.hits,
+                "prefix_tokens_reused": self.tokens_reused, "prefix_cache_blocks": len(self._blocks),
+                "prefix_cache_slots": self.slots, "prefix_cache_evictions": self.evictions}
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(block, slot) pairs as runs (first block, first slot, length) of consecutive blocks in
+    consecutive slots: one copy a run and model block rather than one a block (each copy costs the
+    host a launch)."""
+    runs = []
+    for j, slot in pairs:
+        if runs and (runs[-1][0] + runs[-1][2], runs[-1][1] + runs[-1][2]) == (j, slot):
+            runs[-1][2] += 1
+        else:
+            runs.append([j, slot, 1])
+    return [tuple(run) for run in runs]

@@ -20,8 +20,8 @@ class DecodeWeights:
     """The parameters in the shapes the decoding ops read, the matrices stored as `storage`:
     the embedding table and the final norm (float32 always); each block's norms and its matrices
     (MATRICES, each a weight argument: (w,) or (q, scale, zero)) in `layers`; the K heads stacked
-    by rows (K*V, C), read through `heads_of`; and the model's weight set for the prefill's
-    forward (`forward`: bf16 or float32, whatever the matrices are).
+    by rows (K*V, C), read through `heads_of`; and the model's weight set they are taken from
+    (`forward`: bf16 or float32, whatever the matrices are).
 
     bf16 views are of the model's own compute copy where it runs in bf16, else of a copy made here,
     refreshed by `refresh`. Quantized matrices are the model's own where it was loaded quantized
