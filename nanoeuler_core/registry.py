@@ -277,7 +277,9 @@ class Backend:
         raise NotImplementedError
 
     def copy_(self, dst, src) -> None:
-        """Copy `src` (a host array or an array of this backend, same shape) into `dst`."""
+        """Copy `src` (a host array or an array of this backend, same shape) into `dst`; between two
+        arrays of this backend, either may be a 2-D view whose rows are each contiguous but apart
+        (a run of positions over every plane of a KV cache: KVPlanes.span)."""
         raise NotImplementedError
 
     def read_back(self, arrays) -> Callable[[], list[np.ndarray]]:

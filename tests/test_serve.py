@@ -33,7 +33,9 @@ from nanoeuler_core.inference.decoder import Decoder, Sampling
 from nanoeuler_core.inference.generate import generate
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.inference.template import ChatTemplate
-from nanoeuler_core.serving.app import Operations, ServedModel, create_app
+from nanoeuler_core.serving.app import Operations, ServedModel, _Pending, create_app
+from nanoeuler_core.serving.protocol import Responses
+from nanoeuler_core.serving.scheduler import Done, Job, Text
 from nanoeuler_core.serving.protocol import token_name
 from nanoeuler_core.serving.server import DrainingServer
 from nanoeuler_core.text.tokenizer import Tokenizer
@@ -195,6 +197,28 @@ def test_streaming_gives_the_same_text_in_pieces(client):
         assert mine[0].delta.role == "assistant"
         assert "".join(c.delta.content or "" for c in mine) == whole.choices[0].message.content
         assert mine[-1].finish_reason == whole.choices[0].finish_reason
+
+
+def test_events_waiting_together_go_out_as_one_write(server):
+    # A stream that wakes to several events in its job's queue (a server behind its clients) writes
+    # them as one body chunk, each still its own server-sent event.
+    _, app = server
+    api = next(route.endpoint.__self__ for route in app.routes if route.path == "/v1/completions")
+    job = Job([[1, 2]], 1, 3, Sampling(0.0), 0, [], None, lambda event: None)
+    responses = Responses("tiny-sft", False, 1, [], job.prompts, api.served.tok)
+
+    async def body():
+        pending = _Pending(job, asyncio.Queue(), False, True, True, [], float("inf"))
+        for event in (Text(0, "a"), Text(0, "b"), Text(0, "c", "length"), Done(2, 3)):
+            pending.events.put_nowait(event)
+        return [chunk async for chunk in api._stream(pending, responses)]
+
+    chunks = asyncio.run(body())
+    assert len(chunks) == 1
+    events = chunks[0].decode().split("\n\n")
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:3]] == ["a", "b", "c"]
+    assert json.loads(events[3][6:])["usage"]["completion_tokens"] == 3
+    assert events[4:] == ["data: [DONE]", ""]
 
 
 def test_stop_strings_end_the_text_before_them(client):

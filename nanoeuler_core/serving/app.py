@@ -359,34 +359,42 @@ class _Api:
 
     async def _stream(self, pending: _Pending, responses: Responses):
         """The SSE body; a client that goes away cancels the job (its rows are freed). Where the
-        prompts' log-probabilities come first (echo), the choices open once they are in."""
+        prompts' log-probabilities come first (echo), the choices open once they are in. The events
+        that wait in the job's queue when it wakes go out as one write: a server that falls behind
+        its clients then writes less often, not less."""
         job, finished = pending.job, False
         prompts_left = len(job.prompts) if job.prompt_logprobs is not None else 0
         try:
-            if not prompts_left:
-                for first in self._openings(pending, responses):
-                    yield first
+            openings = [] if prompts_left else list(self._openings(pending, responses))
+            if openings:
+                yield b"".join(openings)
             while not finished:
+                out = []
                 event = await self._next_event(pending, None)
-                if isinstance(event, Prompt):
-                    responses.prompt(event)
-                    prompts_left -= 1
-                    if not prompts_left:
-                        for first in self._openings(pending, responses):
-                            yield first
-                elif isinstance(event, Text):
-                    entries = responses.entries(event.index, event)
-                    yield _event(responses.chunk(event.index, event.text, event.finish_reason, entries))
-                elif isinstance(event, Failed):
-                    finished = True
-                    status, code, kind = _failure(event)
-                    yield _event(ApiError(event.message, status, code=code, kind=kind).body())
-                elif isinstance(event, Done):
-                    finished = True
-                    self._count(event)
-                    if pending.include_usage:
-                        yield _event(responses.usage_chunk(event))
-            yield b"data: [DONE]\n\n"
+                while True:
+                    if isinstance(event, Prompt):
+                        responses.prompt(event)
+                        prompts_left -= 1
+                        if not prompts_left:
+                            out += self._openings(pending, responses)
+                    elif isinstance(event, Text):
+                        entries = responses.entries(event.index, event)
+                        out.append(_event(responses.chunk(event.index, event.text, event.finish_reason, entries)))
+                    elif isinstance(event, Failed):
+                        finished = True
+                        status, code, kind = _failure(event)
+                        out.append(_event(ApiError(event.message, status, code=code, kind=kind).body()))
+                    elif isinstance(event, Done):
+                        finished = True
+                        self._count(event)
+                        if pending.include_usage:
+                            out.append(_event(responses.usage_chunk(event)))
+                    if finished or pending.events.empty():
+                        break
+                    event = self._ready_event(pending)
+                if finished:
+                    out.append(b"data: [DONE]\n\n")
+                yield b"".join(out)
         finally:
             if not finished:
                 self.scheduler.cancel(job)
@@ -409,6 +417,13 @@ class _Api:
             self.scheduler.cancel(pending.job)
             return Failed(f"the request took longer than this server allows ({self.operations.request_timeout:g} s, "
                           f"--request-timeout)")
+        if isinstance(event, Text):
+            self._timed(pending, event)
+        return event
+
+    def _ready_event(self, pending: _Pending):
+        """The job's next event, already in its queue."""
+        event = pending.events.get_nowait()
         if isinstance(event, Text):
             self._timed(pending, event)
         return event

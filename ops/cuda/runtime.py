@@ -235,9 +235,28 @@ def _cast(dst, src):
             dst[i] = stored(dst, values[k])
 
 
+@cuda.jit(cache=True)
+def _copy_rows(dst, src):
+    # dst (P, N) <- src (P, N), one dtype, each row contiguous and the rows apart (a run of positions
+    # in every plane of a KV cache)
+    i = cuda.grid(1)
+    N = dst.shape[1]
+    let_next_start()
+    wait_for_previous()
+    if i < dst.size:
+        dst[i // N, i % N] = src[i // N, i % N]
+
+
 def copy(dst, src) -> None:
-    """dst <- src for contiguous device arrays of one size, on the current stream (capturable),
-    overlapping the kernel ahead; between float32 and bf16 storage the values are converted."""
+    """dst <- src for device arrays of one shape, on the current stream (capturable), overlapping
+    the kernel ahead: contiguous ones (between float32 and bf16 storage the values are converted),
+    or 2-D views whose rows are each contiguous, of one dtype."""
+    if not (dst.is_c_contiguous() and src.is_c_contiguous()):
+        if dst.ndim != 2 or dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"a copy between strided arrays takes 2-D views of one shape and dtype, got "
+                             f"{dst.shape} {dst.dtype} and {src.shape} {src.dtype}")
+        launch(_copy_rows, blocks_for(dst.size, 256), 256, dst, src, overlap=True)
+        return
     kernel, per_block = (_copy, 256) if dst.dtype == src.dtype else (_cast, 256 * CAST_ELEMENTS)
     launch(kernel, blocks_for(dst.size, per_block), 256, dst.reshape(dst.size), src.reshape(src.size), overlap=True)
 

@@ -203,7 +203,7 @@ class Decoder:
         """Keep the blocks of the row's tokens in the prefix cache (a later prompt may go on from
         its answer): the cache holds tokens 0..position-1 of its sequence unless its window slid."""
         if row.position == len(row.sequence) - 1 and row.position >= self.prefix_cache.block:
-            self.prefix_cache.store(row.sequence[:row.position], self.cache.kv, row.b)
+            self.prefix_cache.store(row.sequence[:row.position], self.cache.planes, row.b)
 
     def active_rows(self) -> list[Row]:
         """The rows still decoding, in row order."""

@@ -11,10 +11,31 @@ import numpy as np
 from nanoeuler_core.inference.decoder.rows import MAX_SEED, Sampling
 
 
+class KVPlanes:
+    """The keys and values of every model block for `rows` rows of S positions, as one backend
+    array `planes` (2 L, rows, S*KV*D): plane 2 l holds block l's keys, plane 2 l + 1 its values.
+    A run of a row's positions is then one view over every block (`span`) and copies in one
+    launch, where a copy per block and kind would cost the host 2 L of them.
+
+        layers      per block, (keys, values), each (rows, S, KV, D): views of `planes`"""
+
+    def __init__(self, be, cfg, rows: int, S: int):
+        self.width = cfg.n_kv_heads * cfg.head_dim   # values a position holds in a plane
+        self.planes = be.zeros((2 * cfg.n_layers, rows, S * self.width))
+        shape = (rows, S, cfg.n_kv_heads, cfg.head_dim)
+        self.layers = [(self.planes[2 * i].reshape(shape), self.planes[2 * i + 1].reshape(shape))
+                       for i in range(cfg.n_layers)]
+
+    def span(self, r: int, lo: int, hi: int):
+        """Positions lo..hi-1 of row r in every plane: a (2 L, (hi - lo) * KV * D) view."""
+        return self.planes[:, r, lo * self.width:hi * self.width]
+
+
 class KVCache:
     """The device state of `batch` rows decoding with up to K tokens a step (S = ctx_len + K - 1
     positions: the K - 1 past the context take proposals that are never kept):
 
+        planes          KVPlanes of the B rows; kv = planes.layers
         kv              per block, (keys, values), each (B, S, KV, D)
         tokens          (B*W,) int64   per row its next token and W - 1 proposals, at the width W
         drafts          (B*(W-1), V)   the distributions the proposals were drawn from
@@ -30,8 +51,9 @@ class KVCache:
     def __init__(self, be, cfg, batch: int, K: int):
         self.be, self.cfg, self.batch, self.K = be, cfg, batch, K
         self.S = cfg.ctx_len + K - 1
-        B, shape = batch, (batch, self.S, cfg.n_kv_heads, cfg.head_dim)
-        self.kv = [(be.zeros(shape), be.zeros(shape)) for _ in range(cfg.n_layers)]
+        B = batch
+        self.planes = KVPlanes(be, cfg, batch, self.S)
+        self.kv = self.planes.layers
         self.tokens = be.zeros((B * K,), dtype=np.int64)
         self.drafts = be.zeros((B * (K - 1), cfg.vocab_size))
         self.seeds, self.counters, self.pos = (be.zeros((B,), dtype=np.int64) for _ in range(3))
@@ -78,13 +100,13 @@ class KVCache:
     def start_row(self, b: int, seed: int, sampling: Sampling) -> None:
         """Row b's seed and sampling settings."""
         temperature, top_k, top_p = sampling.settings()
-        for buffer, value in ((self.seeds, seed % MAX_SEED), (self.temperature, temperature),
-                              (self.top_k, top_k), (self.top_p, top_p)):
-            self.be.copy_(buffer[b:b + 1], np.array([value]))
+        _, _, seeds, _, _, temperatures, top_ks, top_ps, _ = self.row_state(b, self.width)
+        for buffer, value in ((seeds, seed % MAX_SEED), (temperatures, temperature), (top_ks, top_k), (top_ps, top_p)):
+            self.be.copy_(buffer, np.array([value]))
 
     def free_row(self, b: int) -> None:
         """Row b's later tokens fall outside the cache: no attention, nothing written."""
-        self.be.copy_(self.pos[b:b + 1], np.array([self.S]))
+        self.be.copy_(self.row_state(b, self.width)[4], np.array([self.S]))
 
     def lay_out(self, W: int) -> None:
         """Lay the rows' tokens out at width W from `pending` (proposals never drawn at that width
@@ -98,7 +120,8 @@ class PrefixCache:
     tokens for later prompts that begin with the same tokens, at most `capacity` tokens on the
     backend, the least recently used block evicted first:
 
-        keys, values    per model block, (capacity, KV, D): slot s holds positions s*block..(s+1)*block-1
+        pool            KVPlanes of one row of capacity positions: slot s holds positions
+                        s*block..(s+1)*block-1
 
     A block is known by its tokens chained with every token before it (the hash of its parent's
     key and its own tokens, as vLLM's), so a block is reused only after the same whole prefix.
@@ -109,8 +132,7 @@ class PrefixCache:
     def __init__(self, be, cfg, capacity: int, block: int):
         self.be, self.block = be, block
         self.slots = capacity // block
-        shape = (self.slots * block, cfg.n_kv_heads, cfg.head_dim)
-        self.kv = [(be.zeros(shape), be.zeros(shape)) for _ in range(cfg.n_layers)] if self.slots else []
+        self.pool = KVPlanes(be, cfg, 1, self.slots * block) if self.slots else None
         self._blocks: collections.OrderedDict[int, tuple[int, tuple]] = collections.OrderedDict()
         # key -> (slot, its tokens), least recently used first
         self._free = list(range(self.slots - 1, -1, -1))   # taken lowest first: a prompt's blocks in a run of slots
@@ -143,18 +165,15 @@ class PrefixCache:
             self.tokens_reused += len(found) * B
         return found
 
-    def copy_into(self, slots: list[int], kv, r: int) -> None:
-        """Row r of `kv` (each model block's (keys, values), (rows, S, KV, D)) from position 0: the
-        blocks held in `slots`, in order."""
+    def copy_into(self, slots: list[int], planes: KVPlanes, r: int) -> None:
+        """Row r of `planes` from position 0: the blocks held in `slots`, in order."""
         B = self.block
         for j, slot, n in _runs(list(enumerate(slots))):
-            for (keys, values), (k_pool, v_pool) in zip(kv, self.kv):
-                self.be.copy_(keys[r, j * B:(j + n) * B], k_pool[slot * B:(slot + n) * B])
-                self.be.copy_(values[r, j * B:(j + n) * B], v_pool[slot * B:(slot + n) * B])
+            self.be.copy_(planes.span(r, j * B, (j + n) * B), self.pool.span(0, slot * B, (slot + n) * B))
 
-    def store(self, tokens: list[int], kv, r: int) -> None:
-        """Keep the whole blocks of `tokens`, whose keys and values row r of `kv` holds from position
-        0, evicting the least recently used blocks where no slot is free."""
+    def store(self, tokens: list[int], planes: KVPlanes, r: int) -> None:
+        """Keep the whole blocks of `tokens`, whose keys and values row r of `planes` holds from
+        position 0, evicting the least recently used blocks where no slot is free."""
         B = self.block
         n_blocks = min(len(tokens) // B, self.slots)   # never evicts a block of this prefix to store another
         stored = []   # (block, slot) of the blocks new here
@@ -171,9 +190,7 @@ class PrefixCache:
             self.blocks_stored += 1
             stored.append((j, slot))
         for j, slot, n in _runs(stored):
-            for (keys, values), (k_pool, v_pool) in zip(kv, self.kv):
-                self.be.copy_(k_pool[slot * B:(slot + n) * B], keys[r, j * B:(j + n) * B])
-                self.be.copy_(v_pool[slot * B:(slot + n) * B], values[r, j * B:(j + n) * B])
+            self.be.copy_(self.pool.span(0, slot * B, (slot + n) * B), planes.span(r, j * B, (j + n) * B))
 
     def stats(self) -> dict:
         """prefix_cache_lookups (prompts looked up), prefix_cache_hits (those that reused a block or
@@ -186,8 +203,7 @@ class PrefixCache:
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(block, slot) pairs as runs (first block, first slot, length) of consecutive blocks in
-    consecutive slots: one copy a run and model block rather than one a block (each copy costs the
-    host a launch)."""
+    consecutive slots: one copy a run rather than one a block (each copy costs the host a launch)."""
     runs = []
     for j, slot in pairs:
         if runs and (runs[-1][0] + runs[-1][2], runs[-1][1] + runs[-1][2]) == (j, slot):

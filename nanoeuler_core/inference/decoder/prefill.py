@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nanoeuler_core.inference.decoder.kv_cache import KVPlanes
+
 PREFILL_MIN = 16          # the shortest chunk a backend that captures runs (shorter ones are padded)
 PREFILL_TOKENS = 256      # tokens a chunk forward takes at most, over all the prompts it advances
 STAGING_ROWS = 8          # prompts prefilled at once (one staging row each)
@@ -25,7 +27,7 @@ class Filling:
     ids: list[int]
     done: int
     generated: int
-    last: object = None   # once done: the output of its last token (1, C), from which its first token is drawn
+    last: object = None   # once done: the output of its last token (1, C, its staging row's), from which its first token is drawn
 
     @property
     def left(self) -> int:
@@ -51,8 +53,9 @@ class Prefill:
     def __init__(self, model, forward, cache, prefix, capture: bool):
         self.forward, self.cache, self.prefix, self.be, self.capture = forward, cache, prefix, model.backend, capture
         self.cfg = cfg = model.cfg
-        shape = (STAGING_ROWS + 1, cache.S, cfg.n_kv_heads, cfg.head_dim)
-        self.staging = [(self.be.zeros(shape), self.be.zeros(shape)) for _ in range(cfg.n_layers)]
+        self.staging = KVPlanes(self.be, cfg, STAGING_ROWS + 1, cache.S)
+        last = self.be.zeros((STAGING_ROWS + 1, cfg.dim))
+        self._last = [last[r:r + 1] for r in range(STAGING_ROWS + 1)]   # per staging row, a Filling's `last`
         self.under_way: list[Filling] = []          # prompts on the staging rows of `advance`
         self._runs = {}        # (first staging row, rows, T) -> its ids and pos buffers, its (captured) forward
         self.logits = None     # the last finished row's first-token logits (1, W*V), on the backend
@@ -101,9 +104,7 @@ class Prefill:
         """Row filling.b's cache from its staging row, its blocks into the prefix cache, and its next
         token and proposals drawn at the cache's width into the token block and `cache.pending`."""
         be, cache, b, r, T = self.be, self.cache, filling.b, filling.r, len(filling.ids)
-        for (keys, values), (k_staged, v_staged) in zip(cache.kv, self.staging):
-            be.copy_(keys[b, :T], k_staged[r, :T])
-            be.copy_(values[b, :T], v_staged[r, :T])
+        be.copy_(cache.planes.span(b, 0, T), self.staging.span(r, 0, T))
         self.prefix.store(filling.ids, self.staging, r)
         state = cache.row_state(b, cache.width)
         counters, pos = state[3:5]
@@ -158,7 +159,7 @@ class Prefill:
             t = min(T, f.left)
             f.done += t
             if f.left == 0:   # its last token's output, before a later chunk overwrites `out`
-                f.last = self.be.zeros((1, self.cfg.dim))
+                f.last = self._last[f.r]
                 self.be.copy_(f.last, out[(f.r - lo) * T + t - 1:(f.r - lo) * T + t])
 
     def _run(self, lo: int, m: int, T: int):
@@ -168,7 +169,7 @@ class Prefill:
         if key not in self._runs:
             be = self.be
             ids, pos = be.zeros((m * T,), dtype=np.int64), be.zeros((m,), dtype=np.int64)
-            kv = [(k[lo:lo + m], v[lo:lo + m]) for k, v in self.staging]
+            kv = [(k[lo:lo + m], v[lo:lo + m]) for k, v in self.staging.layers]
 
             def forward():
                 with be.parallel(), be.computing():
