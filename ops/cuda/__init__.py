@@ -100,12 +100,11 @@ class CudaBackend(Backend):
         from nanoeuler_ops.cuda.device import BF16
         if not isinstance(src, np.ndarray):
             runtime.copy(dst, src)  # device to device (casting between storages): a kernel on the current stream
-        elif dst.dtype == BF16:
-            dst.copy_to_device(registry.bf16_bits(src))
         elif runtime.capturing():
             raise RuntimeError("host data cannot be copied inside a captured CUDA graph; copy it before replaying")
-        else:
-            dst.copy_to_device(np.ascontiguousarray(src, dtype=dst.dtype))
+        else:   # queued behind the work ahead on the stream; the host's bytes are staged before this returns
+            host = registry.bf16_bits(src) if dst.dtype == BF16 else np.ascontiguousarray(src, dtype=dst.dtype)
+            dst.copy_to_device(host, stream=runtime.host_copy_stream())
 
     def synchronize(self) -> None:
         from numba import cuda

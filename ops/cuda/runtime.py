@@ -50,6 +50,13 @@ def stream_handle() -> int:
     return int(s)
 
 
+def host_copy_stream():
+    """`stream()` as the numba Stream a copy from the host takes (the default stream's too): a copy
+    given none waits for all the work queued so far before it starts, and the host with it."""
+    s = _Launch.stream
+    return cuda.default_stream() if s == 0 else s
+
+
 def capturing() -> bool:
     """True while a CUDA graph is being captured: no host copies or synchronisation allowed."""
     return _Launch.capturing
