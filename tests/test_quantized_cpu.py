@@ -18,7 +18,7 @@ import pytest
 from nanoeuler_core import quantized
 from nanoeuler_core.registry import backend
 from nanoeuler_ops.cpu import lanes, norm_linear
-from nanoeuler_ops.cpu.row_products import THREADED_PRODUCTS, quantized_matmul_rows, round_rows
+from nanoeuler_ops.cpu.row_products import THREADED_PRODUCTS, kernel_weights, quantized_matmul_rows, round_rows
 
 # (format, group, zero point): per channel, GGUF's Q8_0, Q4_1 and Q4_0 blocks, and 4-bit groups of two blocks
 FORMATS = [("int8", 0, True), ("int8", 32, True), ("int4", 32, True), ("int4", 32, False), ("int4", 64, False)]
@@ -31,7 +31,7 @@ def _matrix(rng, O, K, fmt, group, zero_point):
 
 def _product(x, w, threads):
     out = np.full((x.shape[0], w[0].shape[0]), np.nan, np.float32)
-    quantized_matmul_rows(x, *w, out, threads)
+    quantized_matmul_rows(x, *kernel_weights(*w), out, threads)
     return out
 
 
