@@ -103,8 +103,11 @@ def matmul_rows(x, w, out, threads):
 # scale d per block, once per product; a tile of 4 outputs then multiplies each block of 32 as
 # integers (lanes.py's dots: 8 lanes of sums of 4 products), makes the lanes float once, adds them
 # times the block's d into the group's lanes and those times the group's scale into the output's
-# lanes, summed once at the end. int4's offset adds zero * (the group's sum of x as rounded). The
-# tile at the end of an odd count recomputes the last output in its spare places.
+# lanes (groups of one block: times scale * d at once), summed once at the end. int4's offset adds zero * (the group's sum of x as rounded). The
+# tile at the end of an odd count recomputes the last output in its spare places. The tiles' functions
+# keep no reference counts (_nrt=False; they allocate nothing): Numba would count references to their
+# seven arrays in and out of each call, atomic operations that cost about as much as a tile's
+# products, and more where threads share the counts.
 
 
 @njit(inline="always")
@@ -149,7 +152,7 @@ def _group_sums(xq, d, sums):
             sums[n, j] = s
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
     # _blocks_tile for int8 groups that are not whole blocks (and rows whose last block is shorter):
     # scale * d times each whole block's dot, the parts of blocks through scalar integer sums
@@ -227,7 +230,7 @@ def _scaled_block(xq, q, n, o0, o1, o2, o3, b, s0, s1, s2, s3, a0, a1, a2, a3):
             s2 * _weights_dot(q, o2, b, xb) + a2, s3 * _weights_dot(q, o3, b, xb) + a3)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _block_scales_tile(xq, d, x_sums, q, scale, zero, out, n, o):
     # out[n, o:o+4] = x[n] @ w[o:o+4].T for groups of one block (GGUF's Q8_0, Q4_0 and Q4_1): w[o, k] =
     # scale[o, b] * q[o, k] (+ zero[o, b] in int4; b = k // 32), x[n, k] = d[n, b] * xq[n, k]. The
@@ -270,7 +273,7 @@ def _block_scales_tile(xq, d, x_sums, q, scale, zero, out, n, o):
     out[n, o3] = total(a3) + _offsets_term(zero, o3, x_sums, n)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o):
     # out[n, o:o+4] = x[n] @ w[o:o+4].T for groups of several whole blocks, int8 or int4: w[o, k] =
     # scale[o, j] * q[o, k] (+ zero[o, j] in int4; j = k // group), x[n, k] = d[n, k // 32] * xq[n, k]:
@@ -320,7 +323,7 @@ def _tile(xq, d, x_sums, q, scale, zero, out, n, o):
     """_whole_blocks_tile, or for int8 groups that are not whole blocks _int8_tile."""
 
 
-@overload(_tile)
+@overload(_tile, inline="always")
 def _tile_of(xq, d, x_sums, q, scale, zero, out, n, o):
     if q.dtype == types.uint8:   # int4 groups are whole blocks
         return lambda xq, d, x_sums, q, scale, zero, out, n, o: _whole_blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o)
@@ -333,7 +336,7 @@ def _tile_of(xq, d, x_sums, q, scale, zero, out, n, o):
     return int8_tile
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _tiles(xq, d, x_sums, q, scale, zero, out, first, last):
     # tiles first..last-1 of 4 outputs, every row of x each
     for t in range(first, last):
