@@ -103,11 +103,12 @@ def matmul_rows(x, w, out, threads):
 # scale d per block, once per product; a tile of 4 outputs then multiplies each block of 32 as
 # integers (lanes.py's dots: 8 lanes of sums of 4 products), makes the lanes float once, adds them
 # times the block's d into the group's lanes and those times the group's scale into the output's
-# lanes (groups of one block: times scale * d at once), summed once at the end. int4's offset adds zero * (the group's sum of x as rounded). The
-# tile at the end of an odd count recomputes the last output in its spare places. The tiles' functions
-# keep no reference counts (_nrt=False; they allocate nothing): Numba would count references to their
-# seven arrays in and out of each call, atomic operations that cost about as much as a tile's
-# products, and more where threads share the counts.
+# lanes (groups of one block: times scale * d at once), summed once at the end. int4's offset adds
+# zero * (the group's sum of x as rounded). The tile at the end of an odd count recomputes the last
+# output in its spare places. The tiles' functions keep no reference counts (_nrt=False; they
+# allocate nothing): Numba would count references to their seven arrays in and out of each call,
+# atomic operations that cost about as much as a tile's products, and more where threads share the
+# counts.
 
 
 @njit(inline="always")
