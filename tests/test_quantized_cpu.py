@@ -173,26 +173,38 @@ def check_block_dots():
 """
 
 
+def _returned_here(code, check):
+    """What the function `check` defined by `code` returns, run in this process."""
+    scope = {}
+    exec(code, scope)
+    return scope[check]()
+
+
 def test_block_dots_on_avx2():
     if not lanes.AVX2:
         pytest.skip("Numba compiles for a processor without AVX2 here")
-    scope = {}
-    exec(BLOCK_DOTS, scope)
-    asm = scope["check_block_dots"]()
+    asm = _returned_here(BLOCK_DOTS, "check_block_dots")
     for instruction in ("vpmaddubsw", "vpmaddwd", "vpsignb", "vpabsb"):
         assert instruction in asm, instruction
 
 
-def test_block_dots_without_avx2(tmp_path):
+def _printed_without(features, code, tmp_path):
+    """What `code` prints in a process whose Numba compiles without `features` (e.g. "avx2")."""
     from numba.core.codegen import get_host_cpu_features
 
-    features = get_host_cpu_features().replace("+avx2", "-avx2")
-    code = BLOCK_DOTS + ("from nanoeuler_ops.cpu import lanes\nassert not lanes.AVX2\n"
-                         "asm = check_block_dots()\nprint('vpmaddubsw' in asm, 'pmaddubsw' in asm)\n")
-    env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path))
+    compiled = get_host_cpu_features()
+    for feature in features:
+        compiled = compiled.replace(f"+{feature}", f"-{feature}")
+    env = dict(os.environ, NUMBA_CPU_FEATURES=compiled, NUMBA_CACHE_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["False", "False"]
+    return run.stdout.split()
+
+
+def test_block_dots_without_avx2(tmp_path):
+    code = BLOCK_DOTS + ("from nanoeuler_ops.cpu import lanes\nassert not lanes.AVX2\n"
+                         "asm = check_block_dots()\nprint('vpmaddubsw' in asm, 'pmaddubsw' in asm)\n")
+    assert _printed_without(["avx2"], code, tmp_path) == ["False", "False"]
 
 
 # Scales as lanes.py reads them: every float16 bit pattern (value, and 8 at a time load_lanes) as its
@@ -232,21 +244,13 @@ def check_scales():
 def test_scales_read_with_f16c():
     if not lanes.F16C:
         pytest.skip("Numba compiles for a processor without F16C here")
-    scope = {}
-    exec(SCALES, scope)
-    assert "vcvtph2ps" in scope["check_scales"]()
+    assert "vcvtph2ps" in _returned_here(SCALES, "check_scales")
 
 
 def test_scales_read_without_f16c(tmp_path):
-    from numba.core.codegen import get_host_cpu_features
-
-    features = get_host_cpu_features().replace("+f16c", "-f16c").replace("+avx2", "-avx2")
     code = SCALES + ("from nanoeuler_ops.cpu import lanes\nassert not lanes.F16C and not lanes.AVX2\n"
                      "print('vcvtph2ps' in check_scales())\n")
-    env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["False"]
+    assert _printed_without(["f16c", "avx2"], code, tmp_path) == ["False"]
 
 
 @pytest.mark.parametrize("fmt, group, zero_point", FORMATS)
