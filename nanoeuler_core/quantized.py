@@ -2,7 +2,7 @@
 (docs/decoding.md, "Quantized weights").
 
 A matrix w (O, K) is cut, row by row, into groups of `group` consecutive weights; each group has a
-float32 scale, and in 4 bits a float32 offset too:
+float16 scale, and in 4 bits a float16 offset too:
 
     int8   q int8  (O, K)        w[o, k] = scale[o, k // group] * q[o, k]                  q in -127..127
     int4   q uint8 (O, K // 2)   w[o, k] = scale[o, k // group] * nibble[o, k] + zero[o, k // group]
@@ -10,12 +10,14 @@ float32 scale, and in 4 bits a float32 offset too:
 
 The 4-bit nibbles are packed by blocks of QBLOCK = 32 weights, as GGUF's Q4_0 and Q4_1 pack them:
 byte j (0..15) of a block holds weight j of the block in its low nibble and weight j + 16 in its
-high one. A kernel then unpacks 16 consecutive weights from each half of 16 bytes, and GGUF's
-Q8_0, Q4_0 and Q4_1 tensors load without repacking (Q4_0 is the offset -8 * scale).
+high one. A kernel then unpacks 16 consecutive weights from each half of 16 bytes. With groups of
+32, int8 is GGUF's Q8_0 (34 bytes a block) and int4 its Q4_1 (20 bytes), the same bytes and the same
+float16 scales and offsets, so GGUF's Q8_0, Q4_0 and Q4_1 tensors load bit for bit (Q4_0 is the
+offset -8 * scale, exact in float16).
 
 A quantized matrix is three arrays (q, scale, zero); int8 has no offset and its `zero` is an
-(O, 0) array. The shapes tell the format (`weight_format`), so a kernel that takes `*w` reads
-either one float matrix (w,) or a quantized one (q, scale, zero).
+(O, 0) array. The shapes and q's dtype tell the format (`weight_format`), so a kernel that takes `*w`
+reads either one float matrix (w,) or a quantized one (q, scale, zero).
 
 A product with a quantized matrix reads its activations rounded to 8 bits too, as GGUF's Q8_0
 rounds them: each block of QBLOCK consecutive values of a row (the last block of a row may be
@@ -29,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 QBLOCK = 32                  # weights per packed 4-bit block; 4-bit groups are whole blocks
+SCALES = np.float16          # the dtype of scales and offsets
 FORMATS = ("int8", "int4")
 DEFAULT_GROUP = {"int8": 0, "int4": 32}   # 0: one group per row (a scale per output channel)
 
@@ -50,27 +53,50 @@ def quantize(w: np.ndarray, fmt: str, group: int = 0, zero_point: bool = True):
     """w (O, K) float -> (q, scale, zero) in `fmt` ("int8" or "int4") with groups of `group`
     weights (0: a group per row). int8 is symmetric: scale = max |w| / 127. int4 with a zero point
     (GGUF's Q4_1) maps each group's [min, max] onto 0..15; without one (Q4_0) the group's weight
-    of largest magnitude maps to -8 * scale, and zero = -8 * scale."""
+    of largest magnitude maps to -8 * scale, and zero = -8 * scale. The integers are rounded with
+    the scales and offsets as float16 rounds them; ValueError, one line, for weights whose scale
+    float16 cannot hold (above 65504)."""
     w = np.asarray(w, dtype=np.float64)
     O, K = w.shape
     group = check_group(fmt, K, group)
     groups = w.reshape(O, K // group, group)
     if fmt == "int8":
-        scale = np.abs(groups).max(axis=2) / 127.0
-        inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+        scale = _half(np.abs(groups).max(axis=2) / 127.0)
+        inverse = _inverse(scale)
         q = np.clip(np.rint(groups * inverse[..., None]), -127, 127).astype(np.int8).reshape(O, K)
-        return q, scale.astype(np.float32), np.zeros((O, 0), np.float32)
+        return q, scale, np.zeros((O, 0), SCALES)
     if zero_point:
         low, high = groups.min(axis=2), groups.max(axis=2)
-        scale, zero = (high - low) / 15.0, low
+        scale, zero = _half((high - low) / 15.0), _half(low)
     else:
         extreme = np.take_along_axis(groups, np.abs(groups).argmax(axis=2)[..., None], axis=2)[..., 0]
-        scale = extreme / -8.0
-        zero = -8.0 * scale
-    scale, zero = scale.astype(np.float32), zero.astype(np.float32)   # what the weights will be read with
-    inverse = np.divide(1.0, scale, out=np.zeros(scale.shape), where=scale != 0)
+        scale = _half(extreme / -8.0)
+        zero = _half(-8.0 * scale.astype(np.float64))   # exact where it fits
+    inverse = _inverse(scale)
     nibbles = np.clip(np.rint((groups - zero[..., None]) * inverse[..., None]), 0, 15).astype(np.uint8)
     return pack4(nibbles.reshape(O, K)), scale, zero
+
+
+def _inverse(scale: np.ndarray) -> np.ndarray:
+    """1 / scale in float64 (0 where scale is 0)."""
+    return np.divide(1.0, scale.astype(np.float64), out=np.zeros(scale.shape), where=scale != 0)
+
+
+def _half(values: np.ndarray) -> np.ndarray:
+    """Scales or offsets as float16; ValueError, one line, where one overflows it."""
+    with np.errstate(over="ignore"):
+        half = np.asarray(values).astype(SCALES)
+    if np.isinf(half).any() > np.isinf(values).any():
+        raise ValueError(f"weights too large for float16 scales: a scale or offset of "
+                         f"{np.abs(np.asarray(values, np.float64)).max():.4g} (float16 holds at most 65504)")
+    return half
+
+
+def half_scales(q, scale, zero) -> tuple:
+    """(q, scale, zero) with its scales and offsets as float16 (float32 ones, as older runs store
+    them, rounded to the nearest: exact for those that came from float16, as GGUF's did); ValueError,
+    one line, where one overflows it."""
+    return q, _half(scale), _half(zero)
 
 
 def pack4(nibbles: np.ndarray) -> np.ndarray:
@@ -99,7 +125,8 @@ def weight_format(q, scale, zero) -> tuple[str, int, int]:
             group = K // groups
             if fmt == "int8" or group % QBLOCK == 0:
                 return fmt, group, K
-    raise ValueError(f"not a quantized matrix: q {q.dtype} {q.shape}, scale {scale.shape}, zero {zero.shape}")
+    raise ValueError(f"not a quantized matrix: q {q.dtype} {q.shape}, scale {scale.dtype} {scale.shape}, "
+                     f"zero {zero.dtype} {zero.shape}")
 
 
 def dequantize(q, scale, zero) -> np.ndarray:

@@ -139,8 +139,8 @@ class Sample:
     `grad_inputs` lists the positions of the inputs that receive a gradient (float inputs);
     integer inputs such as token ids are never differentiated. `precisions` limits the
     precisions the sample is checked in (a slow simulated kernel needs only a few cases).
-    `float32_inputs` are float inputs stored as float32 in every precision (a quantized matrix's
-    scales and offsets, which no backend stores in bf16). `tol`, where given, is the least bound
+    `float32_inputs` are float inputs stored as they are in every precision, never in bf16 (a
+    quantized matrix's float16 scales and offsets). `tol`, where given, is the least bound
     the sample is checked with in every precision (a product that rounds its activations to 8 bits
     may round a value the other way than the float64 reference, by one step of its block).
     """

@@ -34,8 +34,8 @@ class HostBackend(Backend):
     """A backend whose arrays are NumPy arrays of `dtype` in host memory."""
 
     def asarray(self, host, storage=None):
-        host = np.asarray(host)
-        dtype = self.dtype if host.dtype.kind == "f" else host.dtype
+        host = np.asarray(host)   # float16 (quantized weights' scales) as it is
+        dtype = self.dtype if host.dtype.kind == "f" and host.dtype != np.float16 else host.dtype
         return np.array(host, dtype=dtype, order="C", copy=True)
 
     def to_host(self, arr):

@@ -14,7 +14,7 @@ from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.model import Model
 from nanoeuler_core.inference.loading import load_model
 from nanoeuler_core.inference.template import ChatTemplate
-from nanoeuler_core.interop.gguf import gguf_name, import_gguf, unpermute_rotary
+from nanoeuler_core.interop.gguf import gguf_name, import_gguf, quantized_matrix, unpermute_rotary
 from nanoeuler_core.quantized import dequantize, weight_format
 from nanoeuler_core.text.hf_json import byte_level_spelling
 from nanoeuler_core.text.tokenizer import Tokenizer
@@ -156,6 +156,27 @@ def test_quantized_tensors_are_kept_or_dequantized_and_q_k_unpermuted(original, 
         "layers.1.wk": ("int8", 32), "layers.1.w_down": ("int4", 32), "heads.0": ("int4", 32),
         "layers.1.wo": ("int4", 32)}
     assert all(np.array_equal(dequantize(*w).astype(np.float32), expected[n]) for n, w in ours.quantized.items())
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_blocks_import_bit_for_bit_with_their_float16_scales(kind):
+    """A block's bytes, nibbles and float16 scale (and Q4_1's offset) are the matrix's own, not a
+    float32 copy; Q4_0's offset is -8 * scale exactly; the matrix's bytes are the file's."""
+    rng = np.random.default_rng(3)
+    O, K = 3, 64
+    w = rng.standard_normal((O, K)).astype(np.float32) * 0.05
+    data = gguf.quants.quantize(w, Q[kind])
+    q, scale, zero = quantized_matrix(kind, data, (O, K))
+    blocks = data.reshape(O, K // 32, -1)
+    halves = blocks[..., :4].copy().view(np.uint16)   # each block's first two float16s
+    assert scale.dtype == zero.dtype == np.float16
+    assert np.array_equal(scale.view(np.uint16), halves[..., 0])
+    if kind == "Q4_1":
+        assert np.array_equal(zero.view(np.uint16), halves[..., 1])
+    if kind == "Q4_0":
+        assert np.array_equal(zero, np.float16(-8) * scale)
+    assert q.nbytes + scale.nbytes + zero.nbytes == data.nbytes + (scale.nbytes if kind == "Q4_0" else 0)
+    assert np.array_equal(dequantize(q, scale, zero).astype(np.float32), gguf.quants.dequantize(data, Q[kind]))
 
 
 def test_unpermuted_q_and_k_under_hf_rope_give_llama_cpp_attention_scores():

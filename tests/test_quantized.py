@@ -121,6 +121,31 @@ def test_a_quantized_run_saves_its_matrices_and_loads_them(cycle_model, tmp_path
     assert (tmp_path / "q" / "model.safetensors").stat().st_size < 0.5 * (tmp_path / "float" / "model.safetensors").stat().st_size
 
 
+def test_a_run_with_float32_scales_loads_them_as_float16(cycle_model, tmp_path):
+    """A run whose scales and offsets are float32 (older files) loads: each the nearest float16,
+    exactly where it holds a float16's value."""
+    from nanoeuler_core.engine.checkpoint import load_tensors, save_tensors
+
+    model = quantized_twin(cycle_model, "cpu", "int4")
+    model.save(tmp_path / "q")
+    tensors, _ = load_tensors(tmp_path / "q" / "model.safetensors")
+    assert tensors["layers.0.wq.scale"].dtype == np.float16
+    tensors = {n: t.astype(np.float32) if t.dtype == np.float16 else t for n, t in tensors.items()}
+    tensors["layers.0.wq.scale"][0, 0] = np.float32(0.1) + np.float32(2.0 ** -20)   # between two float16s
+    save_tensors(tmp_path / "q" / "model.safetensors", tensors)
+    loaded = Model.load(tmp_path / "q")
+    q, scale, zero = loaded.quantized["layers.0.wq"]
+    assert scale.dtype == zero.dtype == np.float16 and scale[0, 0] == np.float16(0.1)
+    assert np.array_equal(scale[1:], model.quantized["layers.0.wq"][1][1:])
+    assert all(np.array_equal(a, b) for name in ("layers.1.w_down", "heads.0")
+               for a, b in zip(loaded.quantized[name], model.quantized[name]))
+
+
+def test_scales_float16_cannot_hold_are_refused():
+    with pytest.raises(ValueError, match="too large for float16 scales"):
+        quantized.quantize(np.full((2, 32), 1e7), "int8")
+
+
 def test_a_quantized_model_that_learns_saves_float_weights(cycle_model, tmp_path):
     """Training changes the master weights: the quantized matrices no longer stand for them, and
     saving writes the float weights rather than lose what was learnt."""

@@ -3,7 +3,7 @@ by blocks of 32 as nanoeuler_core.quantized.round_activations rounds them (odd l
 last block); int8 a scale per output channel, per group of 32 and groups that are not whole blocks,
 int4 groups of 32 and 64 with and without a zero point, against the float64 product of the rounded
 activations and the dequantized matrix; the 8-bit block dots (lanes.py) on AVX2 and in generic
-vector code; and every row the same bits alone on one thread as among other rows on several, below
+vector code; float16 scales read with F16C and without; and every row the same bits alone on one thread as among other rows on several, below
 and above the size from which a product shares its outputs among the threads (also inside the
 backend's serial block, where such a product takes the threads back and gives them up after)."""
 
@@ -18,7 +18,7 @@ import pytest
 from nanoeuler_core import quantized
 from nanoeuler_core.registry import backend
 from nanoeuler_ops.cpu import lanes, norm_linear
-from nanoeuler_ops.cpu.row_products import THREADED_PRODUCTS, quantized_matmul_rows, round_rows
+from nanoeuler_ops.cpu.row_products import THREADED_PRODUCTS, kernel_weights, quantized_matmul_rows, round_rows
 
 # (format, group, zero point): per channel, GGUF's Q8_0, Q4_1 and Q4_0 blocks, and 4-bit groups of two blocks
 FORMATS = [("int8", 0, True), ("int8", 32, True), ("int4", 32, True), ("int4", 32, False), ("int4", 64, False)]
@@ -31,7 +31,7 @@ def _matrix(rng, O, K, fmt, group, zero_point):
 
 def _product(x, w, threads):
     out = np.full((x.shape[0], w[0].shape[0]), np.nan, np.float32)
-    quantized_matmul_rows(x, *w, out, threads)
+    quantized_matmul_rows(x, *kernel_weights(*w), out, threads)
     return out
 
 
@@ -173,26 +173,93 @@ def check_block_dots():
 """
 
 
+def _returned_here(code, check):
+    """What the function `check` defined by `code` returns, run in this process."""
+    scope = {}
+    exec(code, scope)
+    return scope[check]()
+
+
 def test_block_dots_on_avx2():
     if not lanes.AVX2:
         pytest.skip("Numba compiles for a processor without AVX2 here")
-    scope = {}
-    exec(BLOCK_DOTS, scope)
-    asm = scope["check_block_dots"]()
+    asm = _returned_here(BLOCK_DOTS, "check_block_dots")
     for instruction in ("vpmaddubsw", "vpmaddwd", "vpsignb", "vpabsb"):
         assert instruction in asm, instruction
 
 
-def test_block_dots_without_avx2(tmp_path):
+def _printed_without(features, code, tmp_path):
+    """What `code` prints in a process whose Numba compiles without `features` (e.g. "avx2")."""
     from numba.core.codegen import get_host_cpu_features
 
-    features = get_host_cpu_features().replace("+avx2", "-avx2")
-    code = BLOCK_DOTS + ("from nanoeuler_ops.cpu import lanes\nassert not lanes.AVX2\n"
-                         "asm = check_block_dots()\nprint('vpmaddubsw' in asm, 'pmaddubsw' in asm)\n")
-    env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path))
+    compiled = get_host_cpu_features()
+    for feature in features:
+        compiled = compiled.replace(f"+{feature}", f"-{feature}")
+    env = dict(os.environ, NUMBA_CPU_FEATURES=compiled, NUMBA_CACHE_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["False", "False"]
+    return run.stdout.split()
+
+
+def test_block_dots_without_avx2(tmp_path):
+    code = BLOCK_DOTS + ("from nanoeuler_ops.cpu import lanes\nassert not lanes.AVX2\n"
+                         "asm = check_block_dots()\nprint('vpmaddubsw' in asm, 'pmaddubsw' in asm)\n")
+    assert _printed_without(["avx2"], code, tmp_path) == ["False", "False"]
+
+
+# Scales as lanes.py reads them: every float16 bit pattern (value, and 8 at a time load_lanes) as its
+# float32 value, NaN as NaN; float32 arrays as they are; each lane broadcast. Run here and, in a
+# process whose Numba compiles without F16C (and without AVX2), on the integer conversion
+SCALES = """
+import numpy as np
+from numba import njit
+from nanoeuler_ops.cpu.lanes import WIDTH, broadcast, load_lanes, total, value
+
+@njit
+def read(bits, out, lanes_out):
+    for i in range(bits.size):
+        out[i] = value(bits, i)
+    for i in range(0, bits.size, WIDTH):
+        v = load_lanes(bits, i)
+        for lane in range(WIDTH):   # 8 times the lane, exactly (zeros keep their sign, inf stays inf)
+            lanes_out[i + lane] = total(broadcast(v, lane)) / np.float32(8)
+
+def check_scales():
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    expected = bits.view(np.float16).astype(np.float32)
+    out, lanes_out = np.zeros(bits.size, np.float32), np.zeros(bits.size, np.float32)
+    read(bits, out, lanes_out)
+    finite = ~np.isnan(expected)
+    for got in (out, lanes_out):
+        assert np.array_equal(got.view(np.uint32)[finite], expected.view(np.uint32)[finite])
+        assert np.isnan(got[~finite]).all()
+    floats = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+    out, lanes_out = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    read(floats, out, lanes_out)
+    assert np.array_equal(out, floats) and np.array_equal(lanes_out, floats)
+    return read.inspect_asm(read.signatures[0])
+"""
+
+
+def test_scales_read_with_f16c():
+    if not lanes.F16C:
+        pytest.skip("Numba compiles for a processor without F16C here")
+    assert "vcvtph2ps" in _returned_here(SCALES, "check_scales")
+
+
+def test_scales_read_without_f16c(tmp_path):
+    code = SCALES + ("from nanoeuler_ops.cpu import lanes\nassert not lanes.F16C and not lanes.AVX2\n"
+                     "print('vcvtph2ps' in check_scales())\n")
+    assert _printed_without(["f16c", "avx2"], code, tmp_path) == ["False"]
+
+
+@pytest.mark.parametrize("fmt, group, zero_point", FORMATS)
+def test_float16_scales_give_the_bits_of_float32_scales_of_their_values(fmt, group, zero_point):
+    """The kernels read float16 scales and offsets (as their bits) as the float32 values they hold."""
+    rng = np.random.default_rng(6)
+    w = _matrix(rng, 13, 320, fmt, group, zero_point)
+    x = rng.standard_normal((2, 320)).astype(np.float32)
+    assert np.array_equal(_product(x, w, 1), _product(x, (w[0], *(a.astype(np.float32) for a in w[1:])), 1))
 
 
 def test_kernels_find_the_threading_layer_started_at_import():

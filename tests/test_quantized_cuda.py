@@ -34,7 +34,7 @@ def op_inputs(name, rng, N, C, O, fmt, group, zero_point=True):
 
 
 def run(name, inputs, attrs, backend, precision="fp32"):
-    """The op's output on `backend`, the scales and offsets float32 in every precision."""
+    """The op's output on `backend`, the scales and offsets float16 in every precision."""
     return run_backend(registry.op(name), backend, inputs, attrs, precision=precision, float32_inputs=(3, 4))[0][0]
 
 

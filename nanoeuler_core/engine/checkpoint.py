@@ -77,10 +77,11 @@ def read_json(path: Path) -> dict:
 
 
 def tensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
-    """A safetensors file of float32 tensors (integer tensors keep their type), as bytes."""
+    """A safetensors file of float32 tensors (integer and float16 tensors, quantized matrices' parts,
+    keep their type), as bytes."""
     from safetensors.numpy import save
 
-    data = {name: np.ascontiguousarray(t, dtype=np.float32 if t.dtype.kind == "f" else t.dtype)
+    data = {name: np.ascontiguousarray(t, dtype=np.float32 if t.dtype.kind == "f" and t.dtype != np.float16 else t.dtype)
             for name, t in tensors.items()}
     return save(data, metadata={"format": "np", **(metadata or {})})
 

@@ -621,7 +621,9 @@ class Model:
         model = cls(cfg, backend=backend, precision=precision)
         try:
             parts = {name[:-2] for name in tensors if name.endswith(".q")}
-            model.quantized = {name: tuple(tensors.pop(f"{name}.{part}") for part in QUANTIZED_PARTS) for name in parts}
+            # (float32 scales and offsets, as older runs store them, become float16: docs/files.md)
+            model.quantized = {name: quantized.half_scales(*(tensors.pop(f"{name}.{part}") for part in QUANTIZED_PARTS))
+                               for name in parts}
             tensors |= {name: quantized.dequantize(*w) for name, w in model.quantized.items()}
             model.load_params(tensors, keep_quantized=True)
         except ValueError as exc:

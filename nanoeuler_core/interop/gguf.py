@@ -11,7 +11,7 @@
 
 F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors are read. Q8_0, Q4_0 and Q4_1 matrices are kept as
 they are, in nanoeuler's int8 and int4 formats (nanoeuler_core/quantized.py: blocks of 32 weights
-with a scale, and for 4 bits an offset: Q4_0's is -8 * scale), which decoding reads; the float
+with a float16 scale, and for 4 bits a float16 offset: Q4_0's is -8 * scale), bit for bit, which decoding reads; the float
 weights are their values. The others become float32. llama.cpp's converter permutes the rows of Q and K for its interleaved RoPE; they are permuted back to the
 Hugging Face layout the model's RoPE expects. The tokenizer (a byte-level BPE, "gpt2" in GGUF's
 terms) becomes the equivalent tokenizer.json, the chat template goes into tokenizer_config.json.
@@ -28,6 +28,7 @@ from typing import Callable
 
 import numpy as np
 
+from nanoeuler_core import quantized
 from nanoeuler_core.engine.checkpoint import CheckpointError
 from nanoeuler_core.engine.config import ModelConfig
 from nanoeuler_core.engine.model import QUANTIZED_PARTS
@@ -157,18 +158,19 @@ def model_config_from_gguf(meta: dict, path: Path, n_mtp: int, ctx_len: int | No
 
 def quantized_matrix(kind: str, data: np.ndarray, shape: tuple[int, int]) -> tuple:
     """The Q8_0, Q4_0 or Q4_1 matrix `data` (its raw blocks) of shape (O, K) as (q, scale, zero) in
-    nanoeuler's int8 or int4 format: the same nibbles and bytes, the float16 scales as float32."""
+    nanoeuler's int8 or int4 format: the same nibbles, bytes and float16 scales and offsets (Q4_0's
+    offset -8 * scale, exact in float16 but where it would pass 65504: ValueError, one line)."""
     O, K = shape
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(O, K // 32, -1)
 
     def half(at):   # a float16 of every block, at byte `at`
-        return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+        return blocks[..., at:at + 2].copy().view(np.float16)[..., 0]
 
     d = half(0)
     if kind == "Q8_0":
-        return blocks[..., 2:].copy().view(np.int8).reshape(O, K), d, np.zeros((O, 0), np.float32)
+        return blocks[..., 2:].copy().view(np.int8).reshape(O, K), d, np.zeros((O, 0), np.float16)
     if kind == "Q4_0":
-        return blocks[..., 2:].reshape(O, K // 2).copy(), d, np.float32(-8.0) * d
+        return quantized.half_scales(blocks[..., 2:].reshape(O, K // 2).copy(), d, -8.0 * d.astype(np.float32))
     return blocks[..., 4:].reshape(O, K // 2).copy(), d, half(2)
 
 
@@ -193,7 +195,10 @@ def _read_tensors(reader, gguf, cfg: ModelConfig, path: Path) -> tuple[dict, Cou
             raise CheckpointError(f"{path}: tensor {tensor.name} has shape {ne} (GGML order), the metadata "
                                   f"implies {list(reversed(shape))}")
         if kind in _KEPT_TYPES and len(shape) == 2:
-            arrays = quantized_matrix(kind, tensor.data, shape)
+            try:
+                arrays = quantized_matrix(kind, tensor.data, shape)
+            except ValueError as exc:
+                raise CheckpointError(f"{path}: tensor {tensor.name}: {exc}") from None
             kept[kind] += 1
         elif kind == "F32":
             arrays = (np.array(tensor.data, dtype=np.float32).reshape(shape),)

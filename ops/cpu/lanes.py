@@ -233,3 +233,93 @@ def prefetch(typingctx, a, i):
                             ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
     return types.none(a, i), codegen
+
+
+# ---------------------------------------------------------------- scales
+# A block's scale and offset are float32 values stored as float32 or as float16 (nanoeuler_core/
+# quantized.py): a float16 array reaches a kernel as its bit patterns (uint16), which Numba's CPU
+# types cannot read as numbers. With F16C a half becomes a float32 in one instruction (vcvtph2ps,
+# 8 at a time); elsewhere in integer arithmetic, exactly the same: its exponent and fraction
+# shifted to float32's places read as a float32 2^112 times too small (subnormal halves too), and
+# inf and NaN get float32's top exponent.
+
+F16C = "+f16c" in (numba.config.CPU_FEATURES or get_host_cpu_features()).split(",")
+_TWO_112 = 2.0 ** 112
+
+
+def _halves_f16c(builder, bits):
+    # <n x i16> float16 bits -> <n x float>
+    n = bits.type.count
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), n)), ir.VectorType(ir.FloatType(), n))
+
+
+def _halves_portable(builder, bits):
+    n = bits.type.count
+    words, floats = ir.VectorType(ir.IntType(32), n), ir.VectorType(ir.FloatType(), n)
+
+    def constant(value, kind=words):
+        return ir.Constant(kind, [value] * n)
+
+    h = builder.zext(bits, words)
+    shifted = builder.shl(builder.and_(h, constant(0x7FFF)), constant(13))
+    scaled = builder.bitcast(builder.fmul(builder.bitcast(shifted, floats), constant(_TWO_112, floats)), words)
+    special = builder.icmp_unsigned("==", builder.and_(h, constant(0x7C00)), constant(0x7C00))
+    magnitude = builder.select(special, builder.or_(shifted, constant(0x7F800000)), scaled)
+    sign = builder.shl(builder.and_(h, constant(0x8000)), constant(16))
+    return builder.bitcast(builder.or_(magnitude, sign), floats)
+
+
+_halves = _halves_f16c if F16C else _halves_portable
+
+
+def _check_values(a, name):
+    if not (isinstance(a, types.Array) and a.layout == "C" and a.dtype in (types.float32, types.uint16)):
+        raise TypingError(f"{name}: needs a C-contiguous float32 array or float16 bits (uint16), got {a}")
+
+
+def _load_values(context, builder, array_type, array, index, n):
+    # <n x float>: elements index..index+n-1 of a float32 array or of float16 bits
+    kind = ir.FloatType() if array_type.dtype == types.float32 else ir.IntType(16)
+    values = builder.load(_address(context, builder, array_type, array, index, ir.VectorType(kind, n)), align=1)
+    return values if array_type.dtype == types.float32 else _halves(builder, values)
+
+
+@intrinsic
+def value(typingctx, a, i):
+    """a[i] (flat index) as a float32: of a float32 array, or of float16 bits (uint16)."""
+    _check_values(a, "value")
+
+    def codegen(context, builder, signature, args):
+        values = _load_values(context, builder, signature.args[0], *args, 1)
+        return builder.extract_element(values, ir.Constant(ir.IntType(32), 0))
+    return types.float32(a, i), codegen
+
+
+@intrinsic
+def load_lanes(typingctx, a, i):
+    """a[i : i + 8] (flat index) as Lanes: of a float32 array, or of float16 bits (uint16)."""
+    _check_values(a, "load_lanes")
+
+    def codegen(context, builder, signature, args):
+        return _load_values(context, builder, signature.args[0], *args, WIDTH)
+    return Lanes(a, i), codegen
+
+
+@intrinsic
+def broadcast(typingctx, v, i):
+    """Lanes all equal to lane i (0..7, any integer value at run time) of v."""
+    if v != Lanes or not isinstance(i, types.Integer):
+        raise TypingError(f"broadcast: needs Lanes and an integer, got {v}, {i}")
+
+    def codegen(context, builder, signature, args):
+        if AVX2:   # vpermps: one instruction, lane i to every place
+            index = builder.sext(args[1], ir.IntType(64)) if args[1].type.width < 64 else args[1]
+            index = builder.trunc(index, ir.IntType(32))
+            indices = builder.shuffle_vector(builder.insert_element(ir.Constant(_WORDS, ir.Undefined), index, ir.Constant(ir.IntType(32), 0)),
+                                             ir.Constant(_WORDS, ir.Undefined), _indices(*[0] * WIDTH))
+            return _x86(builder, "llvm.x86.avx2.permps", _FLOATS, args[0], indices)
+        one = builder.extract_element(args[0], args[1])
+        one = builder.insert_element(ir.Constant(_FLOATS, ir.Undefined), one, ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(one, one, _indices(*[0] * WIDTH))
+    return Lanes(v, i), codegen
+

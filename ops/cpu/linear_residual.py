@@ -5,7 +5,7 @@ import numpy as np
 from numba import njit
 
 from nanoeuler_ops.cpu import BACKEND
-from nanoeuler_ops.cpu.row_products import matmul_rows, quantized_matmul_rows
+from nanoeuler_ops.cpu.row_products import kernel_weights, matmul_rows, quantized_matmul_rows
 from nanoeuler_ops.linear_residual import check_shapes
 
 
@@ -38,5 +38,5 @@ def forward(x, r, *w):
     if len(w) == 1:
         BACKEND.launch(_forward, x, r, w[0], y, BACKEND.threads())
     else:
-        BACKEND.launch(_forward_quantized, x, r, *w, y, BACKEND.threads())
+        BACKEND.launch(_forward_quantized, x, r, *kernel_weights(*w), y, BACKEND.threads())
     return y, ()

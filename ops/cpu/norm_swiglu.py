@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit, prange
 
 from nanoeuler_ops.cpu import BACKEND
-from nanoeuler_ops.cpu.row_products import matmul_rows, quantized_matmul_rows, rmsnorm_rows
+from nanoeuler_ops.cpu.row_products import kernel_weights, matmul_rows, quantized_matmul_rows, rmsnorm_rows
 from nanoeuler_ops.cpu.common import exp32
 from nanoeuler_ops.norm_swiglu import check_shapes
 
@@ -64,5 +64,5 @@ def forward(x, g, *w, eps):
     if len(w) == 1:
         BACKEND.launch(_forward, x, g, w[0], np.float32(eps), h, gate_up, y, BACKEND.threads())
     else:
-        BACKEND.launch(_forward_quantized, x, g, *w, np.float32(eps), h, gate_up, y, BACKEND.threads())
+        BACKEND.launch(_forward_quantized, x, g, *kernel_weights(*w), np.float32(eps), h, gate_up, y, BACKEND.threads())
     return y, ()

@@ -65,8 +65,8 @@ class CudaBackend(Backend):
         host = np.asarray(host)
         if storage == "bf16" and host.dtype.kind == "f":
             return cuda.to_device(registry.bf16_bits(host))
-        # integers (token ids, positions) as int64; bytes (quantized weights) as they are
-        dtype = host.dtype if host.dtype.itemsize == 1 else \
+        # integers (token ids, positions) as int64; bytes and float16 (quantized weights, their scales) as they are
+        dtype = host.dtype if host.dtype.itemsize == 1 or host.dtype == np.float16 else \
             {"f": self.dtype, "i": np.int64, "u": np.int64}.get(host.dtype.kind, host.dtype)
         return cuda.to_device(np.ascontiguousarray(host, dtype=dtype))
 

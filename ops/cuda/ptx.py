@@ -70,7 +70,7 @@ def bf16x2_values(pair):
 
 
 def to_f32(x):
-    """A stored value (float32, or bf16 bits) as float32."""
+    """A stored value (float32, float16, or bf16 bits) as float32."""
 
 
 def stored(like, v):

@@ -431,8 +431,8 @@ def launch_norm_tiles(x, g, w, eps, tiles: int, y) -> None:
 # Products: a warp per output column, lane l reading chunks l, l + 32, ... of QCHUNK = 16 bytes of
 # the column's row of q: 16 int8 weights (half a block of x), or 32 int4 (one packed block: byte j
 # holds weights j and j + 16). A trip is the chunks a lane asks for at once (as many as the row has
-# for the lane, up to QTRIP: `trip_of`), each with its group's scale (and offset): a chunk lies in
-# one group. int8: four dp4a of the chunk's words with x's; int4: the low nibbles of word k
+# for the lane, up to QTRIP: `trip_of`), each with its group's float16 scale (and offset) made float32:
+# a chunk lies in one group. int8: four dp4a of the chunk's words with x's; int4: the low nibbles of word k
 # (w & 0x0F0F0F0F) with x's word k, its high nibbles with word k + 4, eight dp4a. The chunk's integer
 # sum becomes float32 once, times the block's d and the group's scale; int4 adds offset * d * (the
 # block's sum of x's integers, which the rounding leaves beside d).

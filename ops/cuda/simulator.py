@@ -115,7 +115,7 @@ def _bf16_value(bits: int):
 
 
 def to_f32(x):
-    """A stored value (float32, or bf16 bits) as float32."""
+    """A stored value (float32, float16, or bf16 bits) as float32."""
     return _bf16_value(int(x)) if isinstance(x, np.uint16) else np.float32(x)
 
 

@@ -55,7 +55,7 @@ class DecodeWeights:
         # heads_of(W) for W = 1..K, made here, outside any captured step (which must not allocate).
         # int8's empty offsets are made, not sliced: a GPU array of no bytes has no rows to slice.
         rows = [W * model.cfg.vocab_size for W in range(1, K + 1)]
-        self._heads_of = [tuple(a[:n] if a.shape[1] else model.backend.zeros((n, 0)) for a in self.heads)
+        self._heads_of = [tuple(a[:n] if a.shape[1] else model.backend.zeros((n, 0), a.dtype) for a in self.heads)
                           for n in rows]
 
     def heads_of(self, W: int) -> tuple:
