@@ -96,7 +96,8 @@ class Client:
                     event, buffer = buffer.split(b"\n\n", 1)
                     if event == b"data: [DONE]":
                         done = True
-                    elif b'"error"' in event:
+                    elif event.startswith(b'data: {"error":'):   # the server's error object, not text that says "error"
+                        self.close()   # the rest of the stream is left unread
                         return None, 0, f"error event: {event[:200]!r}"
                     elif b'"usage":{' in event:
                         usage = json.loads(event[6:])["usage"]
