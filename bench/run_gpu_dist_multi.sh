@@ -19,9 +19,9 @@
 #              transport (NCCL_DEBUG=INFO), the step with fp32 and bf16 sums, all-reduce, ZeRO-1 and
 #              ZeRO-2 (HOSTS_VARIANTS picks among them), --grad-accum 1 and 4 (one process per rank for
 #              all of them), PyTorch DDP (no compile: its start-up would not fit) with the same NCCL
-#              settings, fp32 and its bf16 compression hook, grad-accum 1 and 4; a kill -9 of the last rank (on host B) and the resume. One
-#              summary: hosts-summary.txt. On 4 H100/H200 about 7-9 minutes with a warm kernel cache
-#              (the first bench run of a fresh machine compiles the kernels: run the steps stage first,
+#              settings, fp32 and its bf16 compression hook, grad-accum 1 and 4; a kill -9 of the last
+#              rank (on host B) and the resume. One summary: hosts-summary.txt. On 4 H100/H200 about
+#              7-9 minutes with a warm kernel cache (the first bench run of a fresh machine compiles the kernels: run the steps stage first,
 #              or STEPS_HOSTS=4 to shorten):
 #                STAGES=hosts bash bench/run_gpu_dist_multi.sh "4" gpu-logs-hosts
 # ROUNDS=1 repeats the step timings. BACKEND=cpu PRESET=small rehearses it all on CPU cores.
@@ -129,7 +129,8 @@ if wants hosts; then
       | sort | uniq -c; } | tee "$log_dir/hosts-transport.txt"
   # the step: fp32 / bf16 sums x all-reduce / ZeRO-1 / ZeRO-2 x grad-accum 1 / 4, in one start-up
   run two_hosts timeout 300 python3 bench/bench_dist.py "${model[@]}" --batch-size 32 --steps "$steps_hosts" --warmup 2 \
-      --variant "${HOSTS_VARIANTS:-allreduce,zero,zero2}" --grad-accum 1,4 --grad-reduce fp32,bf16 2>&1 | quiet | tee "$log_dir/hosts-steps.jsonl"
+      --variant "${HOSTS_VARIANTS:-allreduce,zero,zero2}" --grad-accum 1,4 --grad-reduce fp32,bf16 2>&1 | quiet \
+      | tee "$log_dir/hosts-steps.jsonl"
   if [ "$backend" = cuda ]; then
     for accum in 1 4; do for sums in fp32 bf16; do
       MASTER_PORT=$((29500 + accum * 10 + ${#sums})) run two_hosts timeout 150 python3 bench/torch_ddp.py --preset "$preset" \

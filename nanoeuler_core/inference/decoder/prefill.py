@@ -27,7 +27,7 @@ class Filling:
     ids: list[int]
     done: int
     generated: int
-    last: object = None   # once done: the output of its last token (1, C, its staging row's), from which its first token is drawn
+    last: object = None   # once done: its last token's output (1, C), in its staging row's buffer; its first token's source
 
     @property
     def left(self) -> int:
