@@ -21,8 +21,8 @@
 #              all of them), PyTorch DDP (no compile: its start-up would not fit) with the same NCCL
 #              settings, fp32 and its bf16 compression hook, grad-accum 1 and 4; a kill -9 of the last
 #              rank (on host B) and the resume. One summary: hosts-summary.txt. On 4 H100/H200 about
-#              7-9 minutes with a warm kernel cache (the first bench run of a fresh machine compiles the kernels: run the steps stage first,
-#              or STEPS_HOSTS=4 to shorten):
+#              7-9 minutes with a warm kernel cache (the first bench run of a fresh machine compiles
+#              the kernels: run the steps stage first, or STEPS_HOSTS=4 to shorten):
 #                STAGES=hosts bash bench/run_gpu_dist_multi.sh "4" gpu-logs-hosts
 # ROUNDS=1 repeats the step timings. BACKEND=cpu PRESET=small rehearses it all on CPU cores.
 set -uo pipefail
