@@ -10,9 +10,10 @@
     heads.0                   output.weight (none when the file ties them: the run ties them too)
 
 F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors are read. Q8_0, Q4_0 and Q4_1 matrices are kept as
-they are, in nanoeuler's int8 and int4 formats (nanoeuler_core/quantized.py: blocks of 32 weights
-with a float16 scale, and for 4 bits a float16 offset: Q4_0's is -8 * scale), bit for bit, which decoding reads; the float
-weights are their values. The others become float32. llama.cpp's converter permutes the rows of Q and K for its interleaved RoPE; they are permuted back to the
+they are, bit for bit, in nanoeuler's int8 and int4 formats (nanoeuler_core/quantized.py: blocks
+of 32 weights with a float16 scale, and for 4 bits a float16 offset: Q4_0's is -8 * scale), which
+decoding reads; the float weights are their values. The others become float32. llama.cpp's
+converter permutes the rows of Q and K for its interleaved RoPE; they are permuted back to the
 Hugging Face layout the model's RoPE expects. The tokenizer (a byte-level BPE, "gpt2" in GGUF's
 terms) becomes the equivalent tokenizer.json, the chat template goes into tokenizer_config.json.
 The `gguf` package reads the file; nanoeuler needs it only here.

@@ -417,25 +417,23 @@ class _Api:
             self.scheduler.cancel(pending.job)
             return Failed(f"the request took longer than this server allows ({self.operations.request_timeout:g} s, "
                           f"--request-timeout)")
-        if isinstance(event, Text):
-            self._timed(pending, event)
-        return event
+        return self._timed(pending, event)
 
     def _ready_event(self, pending: _Pending):
         """The job's next event, already in its queue."""
-        event = pending.events.get_nowait()
-        if isinstance(event, Text):
-            self._timed(pending, event)
-        return event
+        return self._timed(pending, pending.events.get_nowait())
 
-    def _timed(self, pending: _Pending, event: Text) -> None:
-        """Time to first text and between a choice's pieces of text, into the metrics."""
+    def _timed(self, pending: _Pending, event):
+        """`event`, a Text's time to first text or since the choice's last piece into the metrics."""
+        if not isinstance(event, Text):
+            return event
         now = time.monotonic()
         if not pending.texts_at:
             self.metrics.first_token.observe(now - pending.started)
         elif event.index in pending.texts_at:
             self.metrics.between_tokens.observe(now - pending.texts_at[event.index])
         pending.texts_at[event.index] = now
+        return event
 
     def _count(self, done: Done) -> None:
         self.metrics.prompt_tokens.inc(done.prompt_tokens)

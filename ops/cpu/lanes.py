@@ -315,8 +315,8 @@ def broadcast(typingctx, v, i):
         if AVX2:   # vpermps: one instruction, lane i to every place
             index = builder.sext(args[1], ir.IntType(64)) if args[1].type.width < 64 else args[1]
             index = builder.trunc(index, ir.IntType(32))
-            indices = builder.shuffle_vector(builder.insert_element(ir.Constant(_WORDS, ir.Undefined), index, ir.Constant(ir.IntType(32), 0)),
-                                             ir.Constant(_WORDS, ir.Undefined), _indices(*[0] * WIDTH))
+            first = builder.insert_element(ir.Constant(_WORDS, ir.Undefined), index, ir.Constant(ir.IntType(32), 0))
+            indices = builder.shuffle_vector(first, ir.Constant(_WORDS, ir.Undefined), _indices(*[0] * WIDTH))
             return _x86(builder, "llvm.x86.avx2.permps", _FLOATS, args[0], indices)
         one = builder.extract_element(args[0], args[1])
         one = builder.insert_element(ir.Constant(_FLOATS, ir.Undefined), one, ir.Constant(ir.IntType(32), 0))

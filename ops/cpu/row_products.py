@@ -327,7 +327,8 @@ def _tile(xq, d, x_sums, q, scale, zero, out, n, o):
 @overload(_tile, inline="always")
 def _tile_of(xq, d, x_sums, q, scale, zero, out, n, o):
     if q.dtype == types.uint8:   # int4 groups are whole blocks
-        return lambda xq, d, x_sums, q, scale, zero, out, n, o: _whole_blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o)
+        return lambda xq, d, x_sums, q, scale, zero, out, n, o: \
+            _whole_blocks_tile(xq, d, x_sums, q, scale, zero, out, n, o)
 
     def int8_tile(xq, d, x_sums, q, scale, zero, out, n, o):
         if (xq.shape[1] // scale.shape[1]) % QBLOCK == 0:
